@@ -1,0 +1,136 @@
+"""A group of worker processes: start, stream prefixed output, stop without orphans."""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Sequence
+
+# Lines kept per worker for error messages and results.
+TAIL_LINES = 2000
+
+
+class _Sink:
+    """Writes whole prefixed lines from many threads without interleaving them."""
+
+    def __init__(self, stdout, stderr):
+        self._streams = {"stdout": stdout, "stderr": stderr}
+        self._lock = threading.Lock()
+
+    def write(self, stream: str, line: str) -> None:
+        target = self._streams[stream]
+        if target is None:
+            return
+        with self._lock:
+            target.write(line)
+            target.flush()
+
+
+class WorkerProcess:
+    """One worker: its process, a tail of its output and how it ended."""
+
+    def __init__(self, index: int, argv: Sequence[str], env: dict, sink: _Sink, prefix: str):
+        self.index = index
+        self.output: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self._sink, self._prefix = sink, prefix
+        # A session of its own, so that stopping it also stops whatever it started.
+        self.process = subprocess.Popen(
+            list(argv), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, start_new_session=True)
+        self.signalled_by_launcher: int | None = None
+        self._readers = [threading.Thread(target=self._pump, args=(pipe, name), daemon=True)
+                         for pipe, name in ((self.process.stdout, "stdout"),
+                                            (self.process.stderr, "stderr"))]
+        for reader in self._readers:
+            reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.poll()
+
+    def _pump(self, pipe, stream: str) -> None:
+        for raw in iter(pipe.readline, b""):
+            line = raw.decode("utf-8", "replace")
+            if not line.endswith("\n"):
+                line += "\n"
+            self.output.append(line)
+            self._sink.write(stream, self._prefix + line)
+        pipe.close()
+
+    def signal(self, signum: int) -> None:
+        if self.returncode is not None:
+            return
+        try:
+            os.killpg(self.process.pid, signum)
+        except ProcessLookupError:
+            return
+        if self.signalled_by_launcher is None:
+            self.signalled_by_launcher = signum
+
+    def finish_output(self, timeout: float = 5.0) -> None:
+        """Waits until everything the worker printed has been streamed."""
+        for reader in self._readers:
+            reader.join(timeout)
+
+
+class ProcessGroup:
+    """Starts one process per (argv, env) pair and stops them together.
+
+    Args:
+        commands: One (argv, env) pair per worker.
+        stdout: Where prefixed stdout lines go; None keeps them only in the tail.
+        stderr: Likewise for stderr.
+        prefix: Format of each line's prefix; `{index}` is the worker index.
+            Defaults to "[worker {index}] ".
+    """
+
+    def __init__(self, commands, *, stdout, stderr,
+                 prefix: str = "[worker {index}] "):
+        sink = _Sink(stdout, stderr)
+        self.workers: list[WorkerProcess] = []
+        try:
+            for index, (argv, env) in enumerate(commands):
+                self.workers.append(
+                    WorkerProcess(index, argv, env, sink, prefix.format(index=index)))
+        except BaseException:
+            self.stop(grace_period=0)
+            raise
+
+    def returncodes(self) -> list[int | None]:
+        return [w.returncode for w in self.workers]
+
+    def stop(self, grace_period: float) -> None:
+        """SIGTERM every live worker, then SIGKILL those still alive after `grace_period`.
+
+        MultiWorkerMirroredStrategy installs a SIGTERM handler and keeps training, so
+        the SIGKILL is what actually ends such workers.
+        """
+        for worker in self.workers:
+            worker.signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_period
+        while time.monotonic() < deadline and any(c is None for c in self.returncodes()):
+            time.sleep(0.05)
+        for worker in self.workers:
+            if worker.returncode is None:
+                worker.signal(signal.SIGKILL)
+            else:
+                # The leader may be gone while helpers it started still run.
+                _kill_session(worker.pid)
+        for worker in self.workers:
+            worker.process.wait()
+            worker.finish_output()
+
+
+def _kill_session(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass

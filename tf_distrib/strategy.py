@@ -1,0 +1,240 @@
+"""One call that picks and configures the right tf.distribute strategy for Keras 3.
+
+Example:
+
+```python
+import tf_distrib as td
+
+td.use_logical_cpus(4)          # laptops and tests: 4 replicas on one CPU
+strategy = td.make_strategy()   # MWMS under TF_CONFIG, else MirroredStrategy
+with strategy.scope():
+    model = build_model()
+    model.compile(...)
+model.fit(dataset, epochs=3)
+```
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import sys
+import threading
+
+import tensorflow as tf
+
+from tf_distrib import cluster as cluster_lib
+from tf_distrib.launch.launcher import ENV_STARTUP_TIMEOUT
+
+__all__ = ["make_strategy", "use_logical_cpus", "KerasMultiWorkerMirroredStrategy",
+           "STARTUP_TIMEOUT_EXIT_CODE"]
+
+# Exit status of a worker whose peers did not join within `startup_timeout`
+# (EX_TEMPFAIL: the launcher restarts the group).
+STARTUP_TIMEOUT_EXIT_CODE = 75
+
+_DEFAULT_STARTUP_TIMEOUT = 600.0
+
+
+def use_logical_cpus(n: int) -> None:
+    """Splits the host CPU into `n` logical devices, one replica each.
+
+    Call it once at the top of the program, before TensorFlow creates any tensor,
+    model or strategy. Calling it again with the same `n` does nothing.
+
+    Args:
+        n: Number of logical CPU devices, >= 1.
+
+    Raises:
+        ValueError: if `n` is not a positive integer.
+        RuntimeError: if TensorFlow already initialised its devices with another
+            layout; the message says how to fix it.
+
+    Example:
+
+    ```python
+    td.use_logical_cpus(2)
+    assert td.make_strategy().num_replicas_in_sync == 2
+    ```
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"use_logical_cpus(n) needs an integer n >= 1, got {n!r}.")
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    current = tf.config.get_logical_device_configuration(cpu)
+    if len(current or [None]) == n:
+        return
+    try:
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(n)])
+    except RuntimeError as e:
+        have = len(tf.config.list_logical_devices("CPU"))
+        raise RuntimeError(
+            f"use_logical_cpus({n}) came too late: TensorFlow has already initialised "
+            f"{have} CPU device(s). Call it first thing, right after `import tf_distrib`, "
+            "before any tensor, model, dataset or strategy is created (in a notebook, "
+            "restart the kernel and run it in the first cell)."
+        ) from e
+
+
+class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
+    """MultiWorkerMirroredStrategy that Keras 3's `fit`, `evaluate` and `predict` can use.
+
+    Keras 3 calls `strategy.reduce` in two ways that MWMS rejects
+    (keras-team/keras#20585, tensorflow/tensorflow#72388):
+
+    1. `_maybe_symbolic_build` reduces a nested (x, y) structure in one call, but
+       MWMS's `_reduce_to` accepts one value only;
+    2. `reduce_per_replica(reduction="auto")` reduces scalar logs with `axis=0`,
+       which fails with "Invalid reduction dimension 0".
+
+    This subclass maps the reduction over nested structures and uses `axis=None`
+    for scalars. It changes nothing else; drop it once both issues are fixed
+    upstream. Being a subclass, it leaves every other strategy untouched.
+    """
+
+    def reduce(self, reduce_op, value, axis):
+        if not _is_single_value(value):
+            return tf.nest.map_structure(lambda v: self.reduce(reduce_op, v, axis), value)
+        if axis is not None and _rank(value) == 0:
+            axis = None
+        return super().reduce(reduce_op, value, axis)
+
+
+def _is_single_value(value) -> bool:
+    flat = tf.nest.flatten(value, expand_composites=False)
+    return len(flat) == 1 and flat[0] is value
+
+
+def _rank(value):
+    if isinstance(value, tf.distribute.DistributedValues):
+        value = value.values[0]
+    shape = getattr(value, "shape", None)
+    return None if shape is None else shape.rank
+
+
+def make_strategy(cross_device_ops: tf.distribute.CrossDeviceOps | None = None, *,
+                  communication_timeout: float | None = None,
+                  startup_timeout: float | None = None,
+                  cluster: cluster_lib.ClusterSpec | None = None) -> tf.distribute.Strategy:
+    """Returns the strategy that fits this process, ready for Keras `model.fit`.
+
+    - A cluster with two or more training tasks (TF_CONFIG, Vertex AI's CLUSTER_SPEC
+      or Slurm, in that order) -> `KerasMultiWorkerMirroredStrategy` (MWMS with the
+      Keras 3 fixes), NCCL on GPUs and ring collectives on CPU.
+    - Otherwise, several local devices (GPUs, else logical CPUs from
+      `use_logical_cpus`) -> `tf.distribute.MirroredStrategy`. On CPU its
+      cross-device op is `ReductionToOneDevice`: TF's default (a ring collective)
+      halves throughput there.
+    - Otherwise (one device) -> the default strategy.
+
+    Args:
+        cross_device_ops: A `tf.distribute.CrossDeviceOps` for MirroredStrategy.
+            Defaults to None: NCCL on GPUs, `ReductionToOneDevice` on CPUs.
+            MWMS cannot take one (it only runs TF's collectives); passing one for a
+            multi-worker cluster raises ValueError.
+        communication_timeout: Seconds after which a stuck collective fails with
+            `DeadlineExceededError` instead of waiting (MWMS only). Defaults to None:
+            TF's own heartbeat reports a dead peer after about 10 s.
+        startup_timeout: Seconds to wait for every worker of the cluster to join.
+            A worker whose peers do not all join in time prints which ones are
+            missing and exits with status `STARTUP_TIMEOUT_EXIT_CODE` (75), since
+            TensorFlow would otherwise block forever and the blocked call cannot be
+            interrupted. `math.inf` waits forever. Defaults to None: the
+            launcher's TF_DISTRIB_STARTUP_TIMEOUT when set, else 600.
+        cluster: The cluster to use. Defaults to `cluster.from_environment()`.
+
+    Returns:
+        A `tf.distribute.Strategy`.
+
+    Raises:
+        ClusterConfigError: if the environment's cluster is invalid or has roles
+            that MWMS cannot use.
+        ValueError: for arguments that do not fit the chosen strategy.
+    """
+    if communication_timeout is not None and communication_timeout <= 0:
+        raise ValueError(f"communication_timeout must be > 0 seconds or None, got "
+                         f"{communication_timeout!r}.")
+    if startup_timeout is None:
+        startup_timeout = float(os.environ.get(ENV_STARTUP_TIMEOUT, _DEFAULT_STARTUP_TIMEOUT))
+    if not startup_timeout > 0:
+        raise ValueError(f"startup_timeout must be > 0 seconds or None, got {startup_timeout!r}.")
+    if cross_device_ops is not None and not isinstance(cross_device_ops,
+                                                       tf.distribute.CrossDeviceOps):
+        raise TypeError(f"cross_device_ops must be a tf.distribute.CrossDeviceOps, got "
+                        f"{type(cross_device_ops).__name__}.")
+    spec = cluster_lib.from_environment() if cluster is None else cluster
+    if spec is not None and spec.num_workers > 1:
+        if cross_device_ops is not None:
+            raise ValueError(
+                "MultiWorkerMirroredStrategy cannot use a custom cross_device_ops: it only "
+                "runs TensorFlow's collective all-reduce. Drop cross_device_ops for "
+                "multi-worker runs."
+            )
+        spec.check_roles_for("MultiWorkerMirroredStrategy")
+        return _multi_worker_strategy(spec, communication_timeout, startup_timeout)
+
+    gpus = tf.config.list_logical_devices("GPU")
+    devices = gpus or tf.config.list_logical_devices("CPU")
+    if len(devices) < 2:
+        return tf.distribute.get_strategy()
+    if cross_device_ops is None and not gpus:
+        cross_device_ops = tf.distribute.ReductionToOneDevice(reduce_to_device=devices[0].name)
+    return tf.distribute.MirroredStrategy([d.name for d in devices],
+                                          cross_device_ops=cross_device_ops)
+
+
+def _multi_worker_strategy(spec, communication_timeout, startup_timeout):
+    implementation = (tf.distribute.experimental.CommunicationImplementation.NCCL
+                      if tf.config.list_physical_devices("GPU")
+                      else tf.distribute.experimental.CommunicationImplementation.RING)
+    options = tf.distribute.experimental.CommunicationOptions(
+        timeout_seconds=communication_timeout, implementation=implementation)
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec({role: list(a) for role, a in spec.cluster.items()}),
+        task_type=spec.task_type, task_id=spec.task_index, rpc_layer="grpc",
+        environment=spec.environment or "")
+    with _exit_if_peers_missing(spec, startup_timeout):
+        return KerasMultiWorkerMirroredStrategy(cluster_resolver=resolver,
+                                                communication_options=options)
+
+
+class _exit_if_peers_missing:
+    """Watchdog around MWMS start-up, which blocks in C++ until every peer joins."""
+
+    def __init__(self, spec, timeout):
+        self._spec, self._timeout = spec, timeout
+        self._done = threading.Event()
+
+    def __enter__(self):
+        if self._timeout != math.inf:
+            threading.Thread(target=self._watch, name="tf_distrib-startup-watchdog",
+                             daemon=True).start()
+
+    def __exit__(self, *exc):
+        self._done.set()
+
+    def _watch(self):
+        if self._done.wait(self._timeout):
+            return
+        missing = [a for role in cluster_lib.TRAINING_ROLES
+                   for a in self._spec.cluster.get(role, ()) if not _listening(a)]
+        sys.stderr.write(
+            f"tf_distrib: task {self._spec.task_type}:{self._spec.task_index} waited "
+            f"{self._timeout:g} s for the cluster to start; not listening: "
+            f"{missing or 'none (all ports open, but some task did not join)'}. Start "
+            "every task with the same cluster, check their TF_CONFIG task indices and the "
+            "firewall, or raise make_strategy(startup_timeout=...). Exiting with status "
+            f"{STARTUP_TIMEOUT_EXIT_CODE}.\n")
+        sys.stderr.flush()
+        os._exit(STARTUP_TIMEOUT_EXIT_CODE)
+
+
+def _listening(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+            return True
+    except OSError:
+        return False
+

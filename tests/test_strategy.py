@@ -13,7 +13,7 @@ from tf_distrib.demo import build_model, make_data
 def test_make_strategy_uses_every_logical_cpu(monkeypatch):
     monkeypatch.delenv("TF_CONFIG", raising=False)
     strategy = td.make_strategy()
-    assert isinstance(strategy, tf.distribute.MirroredStrategy)
+    assert isinstance(strategy, td.HostMirroredStrategy)
     assert strategy.num_replicas_in_sync == LOGICAL_CPUS
     # TF's default on CPU is a ring collective that halves throughput.
     assert isinstance(strategy.extended._cross_device_ops, tf.distribute.ReductionToOneDevice)

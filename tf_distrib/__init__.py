@@ -28,6 +28,7 @@ _EXPORTS = {
     "make_strategy": "tf_distrib.strategy",
     "use_logical_cpus": "tf_distrib.strategy",
     "KerasMultiWorkerMirroredStrategy": "tf_distrib.strategy",
+    "HostMirroredStrategy": "tf_distrib.strategy",
 }
 _SUBMODULES = ("cluster", "data", "launch", "strategy", "testing")
 

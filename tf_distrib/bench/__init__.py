@@ -1,0 +1,40 @@
+"""`make bench` / `tf-distrib bench`: tf_distrib next to TensorFlow's built-ins, with ratios.
+
+Each benchmark runs tf_distrib and the built-in it competes with in the same run,
+prints a table and writes JSON under `--out` (default bench-results/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+
+# Benchmark name -> module with run(options) -> dict (its printed table is its own).
+BENCHMARKS = {
+    "strategies": "tf_distrib.bench.strategies",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tf-distrib bench", description=__doc__)
+    parser.add_argument("names", nargs="*", choices=[[], *BENCHMARKS], default=[],
+                        help="benchmarks to run (default: all)")
+    parser.add_argument("--out", default="bench-results", help="directory for JSON results")
+    parser.add_argument("--quick", action="store_true", help="fewer steps, for smoke tests")
+    options = parser.parse_args(argv)
+    os.makedirs(options.out, exist_ok=True)
+    for name in options.names or BENCHMARKS:
+        print(f"\n== {name} ==", flush=True)
+        result = importlib.import_module(BENCHMARKS[name]).run(options)
+        path = os.path.join(options.out, f"{name}.json")
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"(written to {path})", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

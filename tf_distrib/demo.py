@@ -7,6 +7,8 @@ tests reuse it to check that multi-worker and single-process runs agree.
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 import time
 
@@ -44,7 +46,7 @@ def build_model():
 
 def train(epochs: int = 3, global_batch_size: int = 64, seed: int = 1,
           logical_cpus: int | None = None, return_weights: bool = False,
-          verbose: int = 0) -> dict:
+          verbose: int = 0, kill_at_step: int | None = None) -> dict:
     """Trains the demo model with `make_strategy()` and returns a summary.
 
     Args:
@@ -54,6 +56,8 @@ def train(epochs: int = 3, global_batch_size: int = 64, seed: int = 1,
         logical_cpus: Split the CPU into this many replicas first. Defaults to None.
         return_weights: Include the final weights in the summary. Defaults to False.
         verbose: Keras verbosity. Defaults to 0.
+        kill_at_step: Fault injection: on the launcher's first attempt, worker 1
+            SIGKILLs itself after this many training steps. Defaults to None.
 
     Returns:
         A dict with task, replicas, per-epoch losses, final accuracy, examples/sec
@@ -82,7 +86,8 @@ def train(epochs: int = 3, global_batch_size: int = 64, seed: int = 1,
         shuffle_buffer=len(x), seed=seed)
     steps = td.data.steps_per_epoch(len(x), global_batch_size)
     start = time.perf_counter()
-    history = model.fit(dataset, epochs=epochs, verbose=verbose)
+    callbacks = [] if kill_at_step is None else [_KillWorker1OnFirstAttempt(kill_at_step)]
+    history = model.fit(dataset, epochs=epochs, verbose=verbose, callbacks=callbacks)
     seconds = time.perf_counter() - start
     summary = {
         "task": "local" if spec is None else f"{spec.task_type}:{spec.task_index}",
@@ -95,6 +100,26 @@ def train(epochs: int = 3, global_batch_size: int = 64, seed: int = 1,
     if return_weights:
         summary["weights"] = [w.numpy() for w in model.weights]
     return summary
+
+
+def _KillWorker1OnFirstAttempt(step: int):
+    import keras
+
+    from tf_distrib.launch import ENV_ATTEMPT, ENV_WORKER_INDEX
+
+    class KillWorker1OnFirstAttempt(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.steps = 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.steps += 1
+            if (self.steps == step and os.environ.get(ENV_ATTEMPT) == "0"
+                    and os.environ.get(ENV_WORKER_INDEX) == "1"):
+                print(f"injected failure: SIGKILL at step {step}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    return KillWorker1OnFirstAttempt()
 
 
 def format_summary(results: list[dict]) -> str:
@@ -110,17 +135,28 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tf-distrib demo", description=__doc__)
     parser.add_argument("-n", "--num-workers", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--kill-at-step", type=int, default=100,
+                        help="SIGKILL worker 1 after this many steps on the first attempt "
+                             "(0: no injected failure)")
     options = parser.parse_args(argv)
 
     from tf_distrib.launch import launch
 
     print(f"tf_distrib demo: {options.num_workers} workers on 127.0.0.1, "
-          "MultiWorkerMirroredStrategy, Keras model.fit", flush=True)
-    result = launch(train, options.num_workers, args=(options.epochs,), timeout=600)
+          "MultiWorkerMirroredStrategy, Keras model.fit, --max-restarts 1; worker 1 is "
+          f"killed at step {options.kill_at_step} of the first attempt", flush=True)
+    result = launch(train, options.num_workers, max_restarts=1, timeout=600,
+                    args=(options.epochs, 64, 1, None, False, 0, options.kill_at_step or None),
+                    # Readable output: oneDNN's notice is TensorFlow's noisiest start-up line.
+                    env={"TF_ENABLE_ONEDNN_OPTS": "0"})
+    print("\nAttempts")
+    for attempt in result.attempts:
+        print(f"  attempt {attempt.number}: {attempt.failure or 'all workers finished'}")
     if result.exit_code != 0:
         print(f"demo failed: {result.failure_report()}", file=sys.stderr)
         return result.exit_code
-    print("\nSummary\n" + format_summary(result.values), flush=True)
+    print(f"\nSummary ({result.restarts} restart(s))\n" + format_summary(result.values),
+          flush=True)
     return 0
 
 

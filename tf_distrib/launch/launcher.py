@@ -36,12 +36,14 @@ class WorkerResult:
 
     Attributes:
         index: The worker's index (its TF_CONFIG task index).
+        pid: Its process id (it led a process session of its own).
         exit_code: Its exit status; negative when a signal ended it (-9: SIGKILL).
         output: The last lines it printed (stdout and stderr, in arrival order).
         value: What a function target returned; None for scripts.
     """
 
     index: int
+    pid: int
     exit_code: int
     output: list[str]
     value: Any = None
@@ -49,9 +51,7 @@ class WorkerResult:
     @property
     def status(self) -> str:
         """The exit status in words, e.g. "exit status 3" or "signal SIGKILL"."""
-        if self.exit_code < 0:
-            return f"signal {signal.Signals(-self.exit_code).name}"
-        return f"exit status {self.exit_code}"
+        return _status(self.exit_code)
 
 
 @dataclasses.dataclass
@@ -152,9 +152,10 @@ def launch(target: str | Sequence[str] | Callable, num_workers: int, *,
             Defaults to None (no limit).
         env: Extra environment variables for the workers. Defaults to None.
         host: The address local workers bind to. Defaults to "127.0.0.1".
-        hosts: For a static multi-host launch, every host's address, in the same order
-            on each host; this host runs workers host_index * num_workers onwards on
-            ports base_port, base_port + 1, ... Defaults to None (single host, free ports).
+        hosts: For a static multi-host launch, every host as "host" or "host:port", in
+            the same order on each host; this host runs workers host_index * num_workers
+            onwards, on ports port, port + 1, ... (port defaults to `base_port`).
+            Defaults to None (single host, free ports).
         host_index: This host's position in `hosts`. Defaults to 0.
         base_port: First port of each host in a multi-host launch. Defaults to 29400.
         quiet: Keep workers' output only in the results instead of streaming it to
@@ -233,13 +234,24 @@ def _tf_configs(num_workers, host, hosts, host_index, base_port) -> tuple[list[d
     """The TF_CONFIGs of this host's workers and the global index of the first."""
     if hosts is None:
         return cluster_lib.local_tf_configs(num_workers, host), 0
-    addresses = [f"{h}:{base_port + i}" for h in hosts for i in range(num_workers)]
+    addresses = []
+    for entry in hosts:
+        name, port = _split_host(entry, base_port)
+        addresses += [f"{name}:{port + i}" for i in range(num_workers)]
     first = host_index * num_workers
     configs = [{"cluster": {"worker": addresses}, "task": {"type": "worker", "index": first + i}}
                for i in range(num_workers)]
     for config in configs:
         cluster_lib.parse_tf_config(config)
     return configs, first
+
+
+def _split_host(entry: str, base_port: int) -> tuple[str, int]:
+    """"host" -> (host, base_port); "host:port" or "[v6]:port" -> (host, port)."""
+    name, sep, port = entry.rpartition(":")
+    if sep and port.isdigit() and (not name.count(":") or name.endswith("]")):
+        return name, int(port)
+    return entry, base_port
 
 
 def _run_attempt(resolved, number, num_workers, max_restarts, startup_timeout, grace_period,
@@ -266,9 +278,8 @@ def _run_attempt(resolved, number, num_workers, max_restarts, startup_timeout, g
         commands.append((resolved.command(path), worker_env))
     ports = [int(c["cluster"]["worker"][c["task"]["index"]].rpartition(":")[2]) for c in configs]
 
-    group = ProcessGroup(commands, stdout=stdout, stderr=stderr,
-                         prefix="[worker {index}] " if hosts is None else
-                         f"[host {host_index} worker {{index}}] ")
+    prefixes = [f"[worker {first + i}] " for i in range(num_workers)]
+    group = ProcessGroup(commands, prefixes, stdout=stdout, stderr=stderr)
     failure = failed = None
     started = time.monotonic()
     joined = [False] * num_workers
@@ -301,11 +312,13 @@ def _run_attempt(resolved, number, num_workers, max_restarts, startup_timeout, g
 
 def _worker_result(index, worker, result_path, resolved) -> WorkerResult:
     value = targets.read_result(result_path) if resolved.is_function else None
-    return WorkerResult(index, worker.returncode, list(worker.output), value)
+    return WorkerResult(index, worker.pid, worker.returncode, list(worker.output), value)
 
 
 def _status(code: int) -> str:
-    return WorkerResult(0, code, []).status
+    if code < 0:
+        return f"signal {signal.Signals(-code).name}"
+    return f"exit status {code}"
 
 
 def _exit_code_of(attempt: Attempt) -> int:

@@ -86,20 +86,17 @@ class ProcessGroup:
 
     Args:
         commands: One (argv, env) pair per worker.
+        prefixes: One line prefix per worker, e.g. "[worker 0] ".
         stdout: Where prefixed stdout lines go; None keeps them only in the tail.
         stderr: Likewise for stderr.
-        prefix: Format of each line's prefix; `{index}` is the worker index.
-            Defaults to "[worker {index}] ".
     """
 
-    def __init__(self, commands, *, stdout, stderr,
-                 prefix: str = "[worker {index}] "):
+    def __init__(self, commands, prefixes: Sequence[str], *, stdout, stderr):
         sink = _Sink(stdout, stderr)
         self.workers: list[WorkerProcess] = []
         try:
-            for index, (argv, env) in enumerate(commands):
-                self.workers.append(
-                    WorkerProcess(index, argv, env, sink, prefix.format(index=index)))
+            for index, ((argv, env), prefix) in enumerate(zip(commands, prefixes, strict=True)):
+                self.workers.append(WorkerProcess(index, argv, env, sink, prefix))
         except BaseException:
             self.stop(grace_period=0)
             raise

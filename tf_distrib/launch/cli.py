@@ -1,0 +1,110 @@
+"""`tf-distrib launch` / `python -m tf_distrib.launch`: the command-line launcher."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from tf_distrib.launch.errors import LaunchError
+from tf_distrib.launch.job import JobConfig, load_job_file
+from tf_distrib.launch.launcher import launch
+
+_EPILOG = """\
+Each worker gets TF_CONFIG (workers on 127.0.0.1, fresh free ports per attempt) and
+TF_DISTRIB_WORKER_INDEX, TF_DISTRIB_NUM_WORKERS, TF_DISTRIB_ATTEMPT,
+TF_DISTRIB_MAX_RESTARTS, TF_DISTRIB_STARTUP_TIMEOUT.
+
+Security: TensorFlow's gRPC servers have no authentication and listen on every
+interface (0.0.0.0 is hard-coded in TensorFlow); workers talk over 127.0.0.1, but
+firewall their ports on machines reachable from untrusted networks.
+
+Exit status: 0 when all workers succeed; the first failed worker's status
+(128+N for signal N) when restarts run out; 2 for bad input; 130/143 when the
+launcher is interrupted.
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tf-distrib launch", epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run a training script on N local workers with TF_CONFIG; restart "
+                    "the group when a worker fails.")
+    p.add_argument("-n", "--num-workers", type=int, help="workers on this host (default 1)")
+    p.add_argument("--max-restarts", type=int, help="restarts after failures (default 0)")
+    p.add_argument("--startup-timeout", type=float,
+                   help="seconds for each worker to start TensorFlow's server (default 300; "
+                        "0 disables the check)")
+    p.add_argument("--grace-period", type=float,
+                   help="seconds between SIGTERM and SIGKILL when stopping (default 5)")
+    p.add_argument("--timeout", type=float, help="limit for the whole launch in seconds")
+    p.add_argument("--summary-file", help="write a JSON summary of the attempts here")
+    p.add_argument("--config", help="job file (YAML or JSON); flags override it")
+    p.add_argument("--hosts", help="static multi-host launch: comma-separated host[:port] "
+                                   "list, identical on every host")
+    p.add_argument("--host-index", type=int, help="this host's position in --hosts")
+    p.add_argument("--base-port", type=int, help="first port of each host (default 29400)")
+    p.add_argument("-m", dest="module", help="run a module instead of a script")
+    p.add_argument("script", nargs="?", help="training script")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    return p
+
+
+def _job_from_args(options) -> JobConfig:
+    job = load_job_file(options.config) if options.config else JobConfig()
+    if options.module and options.script:
+        # With -m, what argparse took as the script is the module's first argument.
+        options.args.insert(0, options.script)
+        options.script = None
+    overrides = {
+        "num_workers": options.num_workers, "max_restarts": options.max_restarts,
+        "grace_period": options.grace_period, "timeout": options.timeout,
+        "summary_file": options.summary_file, "host_index": options.host_index,
+        "base_port": options.base_port, "script": options.script, "module": options.module,
+    }
+    job = dataclasses.replace(job, **{k: v for k, v in overrides.items() if v is not None})
+    if options.module or options.script:
+        job.script = options.script
+        job.module = options.module
+        job.args = list(options.args)
+    if options.startup_timeout is not None:
+        job.startup_timeout = options.startup_timeout or None
+    if options.hosts:
+        job.hosts = [h.strip() for h in options.hosts.split(",")]
+    return job
+
+
+def main(argv: list[str] | None = None) -> int:
+    options = _parser().parse_args(argv)
+    try:
+        job = _job_from_args(options)
+        result = launch(job.target, job.num_workers, args=job.args,
+                        max_restarts=job.max_restarts, startup_timeout=job.startup_timeout,
+                        grace_period=job.grace_period, timeout=job.timeout, env=job.env,
+                        hosts=job.hosts, host_index=job.host_index, base_port=job.base_port)
+    except LaunchError as e:
+        print(f"tf-distrib launch: error: {e}", file=sys.stderr)
+        return 2
+    if job.summary_file:
+        with open(job.summary_file, "w") as f:
+            json.dump(summary(result), f, indent=2)
+    if result.exit_code:
+        print(f"[launcher] failed after {result.restarts} restart(s): "
+              f"{result.failure_report()}", file=sys.stderr)
+    else:
+        print(f"[launcher] all {len(result.workers)} workers exited with 0 after "
+              f"{result.restarts} restart(s)", file=sys.stderr)
+    return result.exit_code
+
+
+def summary(result) -> dict:
+    """The JSON summary of a launch (for --summary-file)."""
+    return {
+        "exit_code": result.exit_code,
+        "restarts": result.restarts,
+        "attempts": [{"number": a.number, "exit_codes": [w.exit_code for w in a.workers],
+                      "failure": a.failure, "failed_worker": a.failed_worker}
+                     for a in result.attempts],
+    }

@@ -30,7 +30,7 @@ _EXPORTS = {
     "KerasMultiWorkerMirroredStrategy": "tf_distrib.strategy",
     "HostMirroredStrategy": "tf_distrib.strategy",
 }
-_SUBMODULES = ("cluster", "data", "launch", "strategy", "testing")
+_SUBMODULES = ("callbacks", "cluster", "data", "launch", "strategy", "testing")
 
 __all__ = ["__version__", *_EXPORTS, *_SUBMODULES]
 

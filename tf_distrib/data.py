@@ -116,8 +116,15 @@ def distribute_dataset(strategy: tf.distribute.Strategy,
         return ds.prefetch(prefetch)
 
     dataset = strategy.distribute_datasets_from_function(dataset_fn)
-    _count_steps_not_batches(dataset, len(strategy.extended.worker_devices))
+    _count_steps_not_batches(dataset, _local_replicas(strategy))
     return dataset
+
+
+def _local_replicas(strategy: tf.distribute.Strategy) -> int:
+    try:
+        return len(strategy.extended.worker_devices)
+    except RuntimeError:  # the default strategy has no device list: one replica
+        return 1
 
 
 def _count_steps_not_batches(dataset, local_replicas: int) -> None:

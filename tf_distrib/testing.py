@@ -32,6 +32,7 @@ class WorkersFailed(RuntimeError):
 
 
 def run_workers(target: str | Callable, num_workers: int = 2, *, args: Sequence = (),
+                kwargs: Mapping | None = None,
                 timeout: float = 300.0, startup_timeout: float | None = 120.0,
                 env: Mapping[str, str] | None = None, quiet: bool = False,
                 check: bool = True) -> list[WorkerResult]:
@@ -46,6 +47,7 @@ def run_workers(target: str | Callable, num_workers: int = 2, *, args: Sequence 
             a script path, or "-m module".
         num_workers: Number of worker processes. Defaults to 2.
         args: Arguments of the function, or of the script. Defaults to ().
+        kwargs: Keyword arguments of the function. Defaults to None.
         timeout: Hard limit in seconds for the whole run. Defaults to 300.
         startup_timeout: Seconds each worker may take to start TensorFlow's server
             (None: no check, for targets that never start one). Defaults to 120.
@@ -56,7 +58,7 @@ def run_workers(target: str | Callable, num_workers: int = 2, *, args: Sequence 
     Returns:
         One `WorkerResult` per worker (index, exit_code, output, value).
     """
-    result = launch(target, num_workers, args=args, timeout=timeout,
+    result = launch(target, num_workers, args=args, kwargs=kwargs, timeout=timeout,
                     startup_timeout=startup_timeout, env=env, quiet=quiet, grace_period=2.0)
     if check and result.exit_code != 0:
         raise WorkersFailed(result.failure_report(), result.workers)

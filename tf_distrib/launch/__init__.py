@@ -11,6 +11,7 @@ from tf_distrib.launch.launcher import (
     ENV_NUM_WORKERS,
     ENV_STARTUP_TIMEOUT,
     ENV_WORKER_INDEX,
+    PREEMPTED_EXIT_CODE,
     Attempt,
     LaunchResult,
     WorkerResult,
@@ -19,4 +20,4 @@ from tf_distrib.launch.launcher import (
 
 __all__ = ["launch", "LaunchResult", "Attempt", "WorkerResult", "LaunchError",
            "ENV_WORKER_INDEX", "ENV_NUM_WORKERS", "ENV_ATTEMPT", "ENV_MAX_RESTARTS",
-           "ENV_STARTUP_TIMEOUT"]
+           "ENV_STARTUP_TIMEOUT", "PREEMPTED_EXIT_CODE"]

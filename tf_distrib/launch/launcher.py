@@ -27,6 +27,10 @@ ENV_ATTEMPT = "TF_DISTRIB_ATTEMPT"
 ENV_MAX_RESTARTS = "TF_DISTRIB_MAX_RESTARTS"
 ENV_STARTUP_TIMEOUT = "TF_DISTRIB_STARTUP_TIMEOUT"
 
+# Exit status of a worker that saved a backup on SIGTERM (preemption). Its peers save
+# at the same step and exit on their own, so the launcher waits for them first.
+PREEMPTED_EXIT_CODE = 42
+
 _POLL_SECONDS = 0.1
 
 
@@ -119,7 +123,8 @@ class LaunchResult:
 
 
 def launch(target: str | Sequence[str] | Callable, num_workers: int, *,
-           args: Sequence = (), max_restarts: int = 0, startup_timeout: float | None = 300.0,
+           args: Sequence = (), kwargs: Mapping | None = None, max_restarts: int = 0,
+           startup_timeout: float | None = 300.0,
            grace_period: float = 5.0, timeout: float | None = None,
            env: Mapping[str, str] | None = None, host: str = "127.0.0.1",
            hosts: Sequence[str] | None = None, host_index: int = 0, base_port: int = 29400,
@@ -142,6 +147,7 @@ def launch(target: str | Sequence[str] | Callable, num_workers: int, *,
             `LaunchResult.values`).
         num_workers: Workers per host, >= 1.
         args: Script arguments, or the function's positional arguments. Defaults to ().
+        kwargs: The function's keyword arguments. Defaults to None.
         max_restarts: How many times to restart the group after a failure. Defaults to 0.
         startup_timeout: Seconds a worker may take to start its TensorFlow server
             (listen on its TF_CONFIG port) unless it exits first; a worker that does
@@ -184,7 +190,7 @@ def launch(target: str | Sequence[str] | Callable, num_workers: int, *,
                        hosts, host_index, base_port)
     stdout, stderr = (None, None) if quiet else (sys.stdout, sys.stderr)
     with tempfile.TemporaryDirectory(prefix="tf_distrib_launch_") as workdir:
-        resolved = targets.resolve(target, args, workdir)
+        resolved = targets.resolve(target, args, kwargs, workdir)
         attempts: list[Attempt] = []
         with _StopSignals() as stop:
             deadline = None if timeout is None else time.monotonic() + timeout
@@ -303,6 +309,10 @@ def _run_attempt(resolved, number, num_workers, max_restarts, startup_timeout, g
                 failure = (f"worker {first + failed} did not start TensorFlow's server on "
                            f"port {ports[failed]} within startup_timeout={startup_timeout:g} s")
         if failure is None:
+            time.sleep(_POLL_SECONDS)
+    if failed is not None and group.returncodes()[failed] == PREEMPTED_EXIT_CODE:
+        deadline = time.monotonic() + grace_period
+        while any(c is None for c in group.returncodes()) and time.monotonic() < deadline:
             time.sleep(_POLL_SECONDS)
     group.stop(grace_period)
     workers = [

@@ -14,8 +14,8 @@ def main(call_path: str, result_path: str) -> None:
     sys.path[:0] = [p for p in parent_path if p not in sys.path]
     import cloudpickle
 
-    fn, args = cloudpickle.loads(blob)
-    value = fn(*args)
+    fn, args, kwargs = cloudpickle.loads(blob)
+    value = fn(*args, **kwargs)
     tmp = f"{result_path}.tmp"
     with open(tmp, "wb") as f:
         cloudpickle.dump(value, f)

@@ -6,7 +6,7 @@ import dataclasses
 import os
 import pickle
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import cloudpickle
 
@@ -33,7 +33,8 @@ class Target:
         return list(self.argv) + ([result_path] if self.is_function else [])
 
 
-def resolve(target: str | Sequence[str] | Callable, args: Sequence, workdir: str) -> Target:
+def resolve(target: str | Sequence[str] | Callable, args: Sequence, kwargs: Mapping | None,
+            workdir: str) -> Target:
     """Turns `target` into the command a worker runs.
 
     Args:
@@ -42,6 +43,7 @@ def resolve(target: str | Sequence[str] | Callable, args: Sequence, workdir: str
             `__main__` or a notebook work.
         args: Command-line arguments for a script or module; positional arguments
             for a callable.
+        kwargs: Keyword arguments for a callable (None for scripts and modules).
         workdir: A private directory for the pickled call.
 
     Raises:
@@ -52,9 +54,12 @@ def resolve(target: str | Sequence[str] | Callable, args: Sequence, workdir: str
         with open(payload, "wb") as f:
             # sys.path travels along so the child can import what the function
             # refers to by reference (modules of the caller's project).
-            pickle.dump((list(sys.path), cloudpickle.dumps((target, tuple(args)))), f)
+            pickle.dump((list(sys.path),
+                         cloudpickle.dumps((target, tuple(args), dict(kwargs or {})))), f)
         return Target((sys.executable, "-m", "tf_distrib.launch.run_function", payload),
                       payload)
+    if kwargs:
+        raise LaunchError("kwargs are for function targets; pass a script's options in args.")
     parts = target.split(None, 1) if isinstance(target, str) else list(target)
     if not parts:
         raise LaunchError("The launch target is empty; give a script path, '-m module' or "

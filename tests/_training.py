@@ -1,0 +1,55 @@
+"""A small deterministic training job that tests run in worker processes."""
+
+KILL_SIGNALS = {"SIGKILL": 9, "SIGTERM": 15}
+
+
+def train_with_backup(backup_dir, epochs=3, save_freq=10, kill_at=None, kill_worker=0,
+                      kill_with="SIGKILL", logical_cpus=None, num_examples=1024,
+                      global_batch_size=32):
+    """Trains with BackupAndRestore; on the launcher's first attempt, worker
+    `kill_worker` kills itself after `kill_at` steps. Returns weights and counters."""
+    import os
+    import signal
+
+    import keras
+    import tensorflow as tf
+
+    import tf_distrib as td
+    from tf_distrib.demo import NUM_CLASSES, NUM_FEATURES, make_data
+
+    if logical_cpus:
+        td.use_logical_cpus(logical_cpus)
+    keras.utils.set_random_seed(1)
+    tf.config.experimental.enable_op_determinism()
+    strategy = td.make_strategy()
+    x, y = make_data(num_examples)
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input((NUM_FEATURES,)),
+            keras.layers.Dense(32, activation="relu"),
+            keras.layers.Dropout(0.2),  # its RNG state must be restored too
+            keras.layers.Dense(NUM_CLASSES),
+        ])
+        model.compile(keras.optimizers.Adam(0.01),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+    dataset = td.data.distribute_dataset(strategy, tf.data.Dataset.from_tensor_slices((x, y)),
+                                         global_batch_size)
+    backup = td.callbacks.BackupAndRestore(backup_dir, save_freq=save_freq,
+                                           delete_checkpoint=False)
+    callbacks = [backup]
+    first_attempt = os.environ.get("TF_DISTRIB_ATTEMPT", "0") == "0"
+    if kill_at and first_attempt and os.environ["TF_DISTRIB_WORKER_INDEX"] == str(kill_worker):
+        class Kill(keras.callbacks.Callback):
+            steps = 0
+
+            def on_train_batch_end(self, batch, logs=None):
+                Kill.steps += 1
+                if Kill.steps == kill_at:
+                    os.kill(os.getpid(), getattr(signal, kill_with))
+
+        callbacks.append(Kill())
+    history = model.fit(dataset, epochs=epochs, verbose=0, callbacks=callbacks)
+    return {"weights": [w.numpy() for w in model.weights],
+            "iterations": int(model.optimizer.iterations.numpy()),
+            "loss": history.history["loss"], "restored_step": backup.restored_step}

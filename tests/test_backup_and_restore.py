@@ -1,0 +1,187 @@
+"""BackupAndRestore with real crashes (SIGKILL), real SIGTERM and real files."""
+
+import os
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_distrib as td
+from tests._training import train_with_backup
+from tf_distrib.callbacks import PREEMPTED_EXIT_CODE
+from tf_distrib.launch import launch
+from tf_distrib.testing import run_workers
+
+
+def assert_bitwise_equal(a, b):
+    assert a["iterations"] == b["iterations"]
+    assert len(a["weights"]) == len(b["weights"])
+    for wa, wb in zip(a["weights"], b["weights"], strict=True):
+        np.testing.assert_array_equal(wa, wb)
+
+
+@pytest.mark.parametrize("logical_cpus", [None, 4], ids=["no strategy", "mirrored x4"])
+def test_mid_epoch_crash_resumes_bitwise_exactly(tmp_path, logical_cpus):
+    # 1024 examples / 32 = 32 steps per epoch; SIGKILL at step 45 (epoch 1, step 13);
+    # the last backup is step 40, so 8 steps of epoch 1 are skipped on resume.
+    [reference] = run_workers(train_with_backup, 1, args=(str(tmp_path / "ref"),),
+                              kwargs={"logical_cpus": logical_cpus}, quiet=True)
+    result = launch(train_with_backup, 1, args=(str(tmp_path / "b"),),
+                    kwargs={"logical_cpus": logical_cpus, "kill_at": 45}, max_restarts=1,
+                    startup_timeout=None, quiet=True, timeout=240)
+    assert result.exit_code == 0, result.failure_report()
+    assert result.exit_codes[0] == [-9]
+    resumed = result.values[0]
+    assert resumed["restored_step"] == 40
+    assert_bitwise_equal(resumed, reference.value)
+    assert resumed["iterations"] == 96
+    # The interrupted epoch's logged loss is exact too (metrics are restored).
+    np.testing.assert_array_equal(resumed["loss"], reference.value["loss"][1:])
+
+
+@pytest.fixture(scope="module")
+def two_worker_reference(tmp_path_factory):
+    backup_dir = str(tmp_path_factory.mktemp("reference"))
+    workers = run_workers(train_with_backup, 2, args=(backup_dir,), quiet=True, timeout=240)
+    assert_bitwise_equal(workers[0].value, workers[1].value)
+    return workers[0].value
+
+
+def test_two_workers_killed_mid_epoch_resume_bitwise_exactly(tmp_path, two_worker_reference):
+    backup_dir = tmp_path / "shared"
+    result = launch(train_with_backup, 2, args=(str(backup_dir),),
+                    kwargs={"kill_at": 45, "kill_worker": 1}, max_restarts=1, quiet=True,
+                    timeout=300)
+    assert result.exit_code == 0, result.failure_report()
+    assert result.exit_codes[0][1] == -9
+    for worker in result.workers:
+        assert worker.value["restored_step"] == 40
+        assert_bitwise_equal(worker.value, two_worker_reference)
+    # One shared directory holds only the chief's committed backups.
+    assert sorted(os.listdir(backup_dir)) == ["backup-000000000090", "backup-000000000096"]
+
+
+def test_sigterm_saves_all_workers_at_one_step_and_resumes(tmp_path, two_worker_reference):
+    backup_dir = tmp_path / "shared"
+    result = launch(train_with_backup, 2, args=(str(backup_dir),),
+                    kwargs={"kill_at": 50, "kill_worker": 1, "kill_with": "SIGTERM",
+                            "save_freq": 1000},
+                    max_restarts=1, quiet=True, timeout=300)
+    assert result.exit_code == 0, result.failure_report()
+    assert result.exit_codes[0] == [PREEMPTED_EXIT_CODE, PREEMPTED_EXIT_CODE]
+    saved = [[line for line in w.output if "preempted (SIGTERM); saved at step" in line]
+             for w in result.attempts[0].workers]
+    assert all(len(lines) == 1 for lines in saved)
+    step = int(saved[0][0].split("saved at step ")[1].split(",")[0])
+    # SIGTERM after step 50 is seen at step 51, which announces 51 + a 2-step margin.
+    assert saved[0][0] == saved[1][0] and 51 <= step <= 53
+    for worker in result.workers:
+        assert worker.value["restored_step"] == step
+        assert_bitwise_equal(worker.value, two_worker_reference)
+
+
+# In-process tests (the pytest process has 4 logical CPUs; these use no strategy).
+
+def small_model():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    return model
+
+
+def small_data():
+    x = np.arange(64 * 4, dtype="float32").reshape(64, 4) / 256
+    return tf.data.Dataset.from_tensor_slices((x, x[:, :3])).batch(8)  # 8 steps
+
+
+def fit_with_backups(backup_dir, epochs=2, **kwargs):
+    callback = td.callbacks.BackupAndRestore(str(backup_dir), save_freq=4,
+                                             delete_checkpoint=False, **kwargs)
+    small_model().fit(small_data(), epochs=epochs, verbose=0, callbacks=[callback])
+    return callback
+
+
+def newest(backup_dir):
+    return sorted(p for p in os.listdir(backup_dir) if p.startswith("backup-"))[-1]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete state", "delete manifest", "flip bytes",
+                                    "garbage manifest"])
+def test_corrupt_newest_backup_falls_back_to_the_previous_one(tmp_path, damage):
+    fit_with_backups(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["backup-000000000012", "backup-000000000016"]
+    target = tmp_path / newest(tmp_path)
+    state, manifest = target / "state.bin", target / "manifest.json"
+    if damage == "truncate":
+        state.write_bytes(state.read_bytes()[:-4])
+    elif damage == "delete state":
+        state.unlink()
+    elif damage == "delete manifest":
+        manifest.unlink()
+    elif damage == "flip bytes":
+        data = bytearray(state.read_bytes())
+        data[5] ^= 0xFF
+        state.write_bytes(bytes(data))
+    else:
+        manifest.write_text("{not json")
+    with pytest.warns(UserWarning, match="backup-000000000016 is unusable"):
+        callback = fit_with_backups(tmp_path, epochs=3)
+    assert callback.restored_step == 12
+
+
+def test_all_backups_corrupt_starts_fresh_with_a_warning(tmp_path):
+    fit_with_backups(tmp_path)
+    for name in os.listdir(tmp_path):
+        (tmp_path / name / "state.bin").write_bytes(b"garbage")
+    with pytest.warns(UserWarning, match="none of the 2 backup.*starts from scratch"):
+        callback = fit_with_backups(tmp_path, epochs=1)
+    assert callback.restored_step is None
+
+
+def test_leftover_temporary_directories_are_ignored(tmp_path):
+    (tmp_path / ".tmp-crashed-writer").mkdir()
+    (tmp_path / ".tmp-crashed-writer" / "state.bin").write_bytes(b"partial")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert fit_with_backups(tmp_path, epochs=1).restored_step is None
+    assert not [w for w in caught if "BackupAndRestore" in str(w.message)]
+
+
+def test_delete_checkpoint_and_keep(tmp_path):
+    callback = td.callbacks.BackupAndRestore(str(tmp_path), save_freq=2, keep=3)
+    small_model().fit(small_data(), epochs=1, verbose=0, callbacks=[callback])
+    assert os.listdir(tmp_path) == []
+    fit_with_backups(tmp_path, keep=3)
+    assert len([p for p in os.listdir(tmp_path) if p.startswith("backup-")]) == 3
+
+
+def test_completed_training_still_restores_the_weights(tmp_path):
+    fit_with_backups(tmp_path)
+    model = small_model()
+    callback = td.callbacks.BackupAndRestore(str(tmp_path), delete_checkpoint=False)
+    history = model.fit(small_data(), epochs=2, verbose=0, callbacks=[callback])
+    assert callback.restored_step == 16 and history.history == {}
+    assert int(model.optimizer.iterations.numpy()) == 16
+
+
+def test_backup_of_another_model_is_refused(tmp_path):
+    fit_with_backups(tmp_path)
+    other = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5), keras.layers.Dense(3)])
+    other.compile("sgd", "mse")
+    callback = td.callbacks.BackupAndRestore(str(tmp_path))
+    with pytest.raises(ValueError, match="made for another model.*2 model variables saved, 4"):
+        other.fit(small_data(), epochs=1, verbose=0, callbacks=[callback])
+
+
+@pytest.mark.parametrize("save_freq", [0, False, True, -3, "batch", "steps", 2.5, None])
+def test_save_freq_validation(save_freq):
+    with pytest.raises(ValueError, match="'epoch' or a positive number of steps"):
+        td.callbacks.BackupAndRestore("/tmp/x", save_freq=save_freq)
+
+
+def test_other_argument_validation():
+    with pytest.raises(ValueError, match="keep must be"):
+        td.callbacks.BackupAndRestore("/tmp/x", keep=0)
+    with pytest.raises(ValueError, match="needs a backup_dir"):
+        td.callbacks.BackupAndRestore("")

@@ -1,0 +1,231 @@
+"""BackupAndRestore: fault-tolerant training that resumes exactly where it stopped."""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from tf_distrib.callbacks.backup_store import BackupStore
+from tf_distrib.callbacks.preemption import PreemptionWatcher
+from tf_distrib.launch.launcher import PREEMPTED_EXIT_CODE
+
+
+class BackupAndRestore(keras.callbacks.Callback):
+    """Backs training up regularly and resumes from the newest valid backup.
+
+    A drop-in replacement for `keras.callbacks.BackupAndRestore` that works with
+    `model.fit` under no strategy, MirroredStrategy and MultiWorkerMirroredStrategy:
+
+    - **What is saved**: every model variable (weights and RNG seed state), every
+      optimizer variable (slots, iterations), the metrics' accumulators, the epoch
+      and the step within it.
+    - **Multi-worker safe**: every worker takes part in a save, only the chief's copy
+      is kept (the others write to a private temporary directory and delete it); all
+      workers share one `backup_dir`.
+    - **Atomic and verified**: a backup is written under a temporary name, renamed
+      into place and carries a manifest with a sha256 checksum. On restore the
+      newest backup that verifies is used; broken ones are skipped with a warning,
+      and when none is usable training starts afresh with a warning.
+    - **Exact mid-epoch resume**: the resumed run skips exactly the steps already
+      done in the interrupted epoch (their batches are drawn, not trained on) and
+      restores the metrics, so with `keras.utils.set_random_seed` and
+      `tf.config.experimental.enable_op_determinism()` the final weights are bitwise
+      those of an uninterrupted run. This needs the dataset to yield the same batches
+      for an epoch in a fresh process as in the original one: unshuffled data, or
+      shuffling with a fixed seed and `reshuffle_each_iteration=False`.
+    - **Preemption**: with `save_before_preemption=True`, a SIGTERM makes all
+      workers save at the same step and exit with status `PREEMPTED_EXIT_CODE` (42);
+      `tf-distrib launch` restarts them and they resume from that step.
+
+    Args:
+        backup_dir: Directory for the backups, shared by all workers (local path or
+            any `tf.io.gfile` scheme, e.g. gs://).
+        save_freq: "epoch" to back up at the end of every epoch, or a positive int N
+            to also back up every N training steps. Defaults to "epoch".
+        delete_checkpoint: Delete the backups when training finishes normally.
+            Defaults to True.
+        keep: How many of the newest backups to keep. Defaults to 2.
+        save_before_preemption: Save and exit on SIGTERM. Defaults to True.
+        verbose: Print a line when training resumes or is preempted. Defaults to 1.
+
+    Attributes:
+        restored_step: The global step training resumed from in the last `fit`, or
+            None when it started afresh.
+
+    Example:
+
+    ```python
+    model.fit(dataset, epochs=10, callbacks=[
+        td.callbacks.BackupAndRestore("/shared/backup", save_freq=100)])
+    ```
+    """
+
+    def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint=True, *, keep=2,
+                 save_before_preemption=True, verbose=1):
+        super().__init__()
+        if not backup_dir:
+            raise ValueError("BackupAndRestore needs a backup_dir, e.g. '/tmp/backup'.")
+        if save_freq != "epoch" and (isinstance(save_freq, bool) or not isinstance(save_freq, int)
+                                     or save_freq < 1):
+            raise ValueError(
+                f"save_freq must be 'epoch' or a positive number of steps, got {save_freq!r}.")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep must be an integer >= 1, got {keep!r}.")
+        self.backup_dir = str(backup_dir)
+        self.save_freq = save_freq
+        self.delete_checkpoint = delete_checkpoint
+        self.save_before_preemption = save_before_preemption
+        self.verbose = verbose
+        self._store = BackupStore(self.backup_dir, keep)
+        self._preemption: PreemptionWatcher | None = None
+        self._global_step = 0
+        self._epoch = 0
+        self._step_in_epoch = 0
+        self._skip = 0
+        self._skipped_last_call = False
+        self.restored_step: int | None = None
+
+    # Keras hooks -----------------------------------------------------------------
+
+    def on_train_begin(self, logs=None):
+        strategy = self.model.distribute_strategy
+        self._is_chief = strategy.extended.should_checkpoint
+        self._global_step = self._epoch = self._step_in_epoch = self._skip = 0
+        self._skipped_last_call = False
+        self.restored_step = None
+        restored = self._store.read_latest()
+        if restored is not None:
+            manifest, arrays = restored
+            meta = manifest["metadata"]
+            epoch, step = meta["epoch"], meta["step_in_epoch"]
+            if step and meta.get("steps_per_epoch") and step >= meta["steps_per_epoch"]:
+                epoch, step = epoch + 1, 0
+            # fit() reads this right after on_train_begin to choose its first epoch.
+            self.model._initial_epoch = epoch
+            self._global_step = self.restored_step = manifest["step"]
+            deferred = ["metrics"] if step else []
+            if self.model.built:
+                if not self.model.optimizer.built:
+                    self.model.optimizer.build(self.model.trainable_variables)
+                self._assign(manifest, arrays, ["model", "optimizer"])
+            else:
+                deferred = ["model", "optimizer"] + deferred
+            self._wrap_train_function(manifest, arrays, step, deferred)
+            if self.verbose:
+                print(f"BackupAndRestore: resuming from step {manifest['step']} "
+                      f"(epoch {epoch}, step {step} within it)", flush=True)
+        if self.save_before_preemption:
+            self._preemption = PreemptionWatcher(multi_worker=_is_multi_worker(strategy))
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._skipped_last_call:
+            return
+        steps = self.model.steps_per_execution
+        self._step_in_epoch = batch + 1
+        self._global_step += steps
+        if self._preemption is not None:
+            stop_at = self._preemption.stop_step(self._global_step)
+            if stop_at is not None and self._global_step >= stop_at:
+                self._save()
+                # The SIGTERM handler stays installed: the launcher may signal this
+                # process again while it exits, and the default action would kill it.
+                if self.verbose:
+                    print(f"BackupAndRestore: preempted (SIGTERM); saved at step "
+                          f"{self._global_step}, exiting with status {PREEMPTED_EXIT_CODE}",
+                          flush=True)
+                raise SystemExit(PREEMPTED_EXIT_CODE)
+        # With steps_per_execution > 1 the step count can jump over a multiple.
+        if (self.save_freq != "epoch"
+                and self._global_step // self.save_freq
+                > (self._global_step - steps) // self.save_freq):
+            self._save()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._epoch, self._step_in_epoch = epoch + 1, 0
+        self._save()
+
+    def on_train_end(self, logs=None):
+        if self._preemption is not None:
+            self._preemption.close()
+            self._preemption = None
+        self.model._initial_epoch = None
+        if self.delete_checkpoint and self._is_chief:
+            self._store.delete_all()
+
+    # Save and restore ------------------------------------------------------------
+
+    def _variables(self):
+        return {"model": self.model.variables, "optimizer": self.model.optimizer.variables,
+                "metrics": self.model.metrics_variables}
+
+    def _save(self):
+        # convert_to_tensor also reads metrics' SyncOnRead variables (aggregated over
+        # replicas), which keras.ops.convert_to_numpy cannot.
+        arrays = [(f"{group}/{i}", tf.convert_to_tensor(v.value).numpy())
+                  for group, variables in self._variables().items()
+                  for i, v in enumerate(variables)]
+        metadata = {"epoch": self._epoch, "step_in_epoch": self._step_in_epoch,
+                    "steps_per_epoch": self.params.get("steps")}
+        self._store.write(self._global_step, arrays, metadata, commit=self._is_chief)
+
+    def _wrap_train_function(self, manifest, arrays, step: int, deferred: list[str]) -> None:
+        """Assigns `deferred` state on the first training call, then skips `step` steps.
+
+        Without a strategy Keras builds the metrics (and an unbuilt model) on the first
+        step, so their state can only be assigned once the data's spec is known. The
+        skipped steps draw their batches without training on them.
+        """
+        train_function = self.model.train_function
+        per_call = self.model.steps_per_execution
+        self._skip = step // per_call
+
+        def restore_skip_then_train(iterator):
+            if deferred:
+                if not self.model.built or not self.model.optimizer.built or (
+                        self.model._compile_metrics is not None
+                        and not self.model._compile_metrics.built):
+                    self.model._symbolic_build(data_batch=iterator.element_spec)
+                self._assign(manifest, arrays, deferred)
+                deferred.clear()
+            self._skipped_last_call = self._skip > 0
+            if self._skipped_last_call:
+                for _ in range(per_call):
+                    next(iterator)
+                self._skip -= 1
+                return {}
+            self.model.train_function = train_function
+            return train_function(iterator)
+
+        self.model.train_function = restore_skip_then_train
+
+    def _assign(self, manifest, arrays, restoring: list[str]) -> None:
+        groups = self._variables()
+        # Matched by position, like Keras' own checkpoints: variable names carry
+        # per-process counters ("dense_1") that change when a model is rebuilt.
+        problems = []
+        for group in restoring:
+            saved = sum(1 for name in arrays if name.startswith(f"{group}/"))
+            if saved != len(groups[group]):
+                problems.append(f"{saved} {group} variables saved, {len(groups[group])} now")
+                continue
+            for i, variable in enumerate(groups[group]):
+                value = arrays[f"{group}/{i}"]
+                if value.shape != tuple(variable.shape) or value.dtype != variable.dtype:
+                    problems.append(f"{variable.path}: saved {value.dtype}{list(value.shape)}, "
+                                    f"now {variable.dtype}{list(variable.shape)}")
+        if problems:
+            raise ValueError(
+                f"BackupAndRestore: the backup in {self.backup_dir} (step {manifest['step']}) "
+                f"was made for another model or optimizer: {'; '.join(problems[:3])}. Use a "
+                "new backup_dir, or delete the old backups.")
+        for group in restoring:
+            for i, variable in enumerate(groups[group]):
+                variable.assign(arrays[f"{group}/{i}"])
+
+
+def _is_multi_worker(strategy) -> bool:
+    return (isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+            and strategy.extended._in_multi_worker_mode())

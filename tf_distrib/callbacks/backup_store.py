@@ -1,0 +1,161 @@
+"""Atomic, verified backups of named arrays, through tf.io.gfile (local or cloud paths).
+
+A backup is a directory `backup-<global step>/` holding `state.bin` (the arrays'
+raw bytes, back to back) and `manifest.json` (metadata, each array's name, dtype,
+shape and offset, and the state file's size and sha256). It is written under a
+temporary name and renamed into place; the manifest is written last, so a backup
+without a manifest, or whose checksum does not match, is incomplete and ignored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+import uuid
+import warnings
+
+import numpy as np
+import tensorflow as tf
+
+FORMAT_VERSION = 1
+_PREFIX = "backup-"
+_TMP_PREFIX = ".tmp-"
+_STATE = "state.bin"
+_MANIFEST = "manifest.json"
+
+
+class BackupStore:
+    """Writes and reads verified backups in one directory.
+
+    Args:
+        directory: Where backups live (local path, or any tf.io.gfile scheme).
+        keep: How many of the newest backups to keep, >= 1.
+    """
+
+    def __init__(self, directory: str, keep: int):
+        self.directory = str(directory)
+        self.keep = keep
+
+    def write(self, step: int, arrays: list[tuple[str, np.ndarray]], metadata: dict,
+              commit: bool = True) -> str | None:
+        """Writes a backup for global `step`; returns its path.
+
+        With `commit=False` (non-chief workers) the backup is written to a private
+        temporary directory and deleted again: every worker takes part in a save,
+        only the chief's copy is kept.
+        """
+        tmp = posixpath.join(self.directory, f"{_TMP_PREFIX}{uuid.uuid4().hex}")
+        tf.io.gfile.makedirs(tmp)
+        try:
+            blob, entries = _pack(arrays)
+            with tf.io.gfile.GFile(posixpath.join(tmp, _STATE), "wb") as f:
+                f.write(blob)
+            manifest = {
+                "format": FORMAT_VERSION, "step": step, "metadata": metadata,
+                "arrays": entries,
+                "files": {_STATE: {"bytes": len(blob),
+                                   "sha256": hashlib.sha256(blob).hexdigest()}},
+            }
+            with tf.io.gfile.GFile(posixpath.join(tmp, _MANIFEST), "w") as f:
+                f.write(json.dumps(manifest))
+            if not commit:
+                return None
+            final = self._path(step)
+            if tf.io.gfile.exists(final):
+                # Same step saved twice (batch and epoch end): the state is identical.
+                return final
+            tf.io.gfile.rename(tmp, final)
+            self._prune()
+            return final
+        finally:
+            if tf.io.gfile.exists(tmp):
+                tf.io.gfile.rmtree(tmp)
+
+    def steps(self) -> list[int]:
+        """Global steps of the committed backups, newest first."""
+        if not tf.io.gfile.isdir(self.directory):
+            return []
+        steps = []
+        for name in tf.io.gfile.listdir(self.directory):
+            name = name.rstrip("/")
+            if name.startswith(_PREFIX) and name[len(_PREFIX):].isdigit():
+                steps.append(int(name[len(_PREFIX):]))
+        return sorted(steps, reverse=True)
+
+    def read_latest(self) -> tuple[dict, dict[str, np.ndarray]] | None:
+        """Returns (manifest, arrays) of the newest backup that verifies, or None.
+
+        Each backup that is incomplete, truncated or fails its checksum is skipped
+        with a warning naming it and the reason.
+        """
+        steps = self.steps()
+        for n, step in enumerate(steps):
+            path = self._path(step)
+            try:
+                return _read(path)
+            except _Corrupt as e:
+                then = "falling back to the previous one" if n + 1 < len(steps) else "none left"
+                warnings.warn(f"BackupAndRestore: backup {path} is unusable ({e}); {then}.",
+                              stacklevel=2)
+        if steps:
+            warnings.warn(f"BackupAndRestore: none of the {len(steps)} backup(s) in "
+                          f"{self.directory} is usable; training starts from scratch.",
+                          stacklevel=2)
+        return None
+
+    def delete_all(self) -> None:
+        for step in self.steps():
+            tf.io.gfile.rmtree(self._path(step))
+
+    def _prune(self) -> None:
+        for step in self.steps()[self.keep:]:
+            tf.io.gfile.rmtree(self._path(step))
+
+    def _path(self, step: int) -> str:
+        return posixpath.join(self.directory, f"{_PREFIX}{step:012d}")
+
+
+class _Corrupt(Exception):
+    pass
+
+
+def _pack(arrays):
+    chunks, entries, offset = [], [], 0
+    for name, value in arrays:
+        value = np.asarray(value, order="C")  # ascontiguousarray would make 0-d arrays 1-d
+        raw = value.tobytes()
+        entries.append({"name": name, "dtype": value.dtype.name, "shape": list(value.shape),
+                        "offset": offset, "bytes": len(raw)})
+        chunks.append(raw)
+        offset += len(raw)
+    return b"".join(chunks), entries
+
+
+def _read(path: str) -> tuple[dict, dict[str, np.ndarray]]:
+    manifest_path = posixpath.join(path, _MANIFEST)
+    if not tf.io.gfile.exists(manifest_path):
+        raise _Corrupt("no manifest.json")
+    try:
+        with tf.io.gfile.GFile(manifest_path, "r") as f:
+            manifest = json.loads(f.read())
+        expected = manifest["files"][_STATE]
+        if manifest.get("format") != FORMAT_VERSION:
+            raise _Corrupt(f"format {manifest.get('format')!r}, expected {FORMAT_VERSION}")
+    except (ValueError, KeyError, TypeError) as e:
+        raise _Corrupt(f"unreadable manifest.json: {e}") from None
+    state_path = posixpath.join(path, _STATE)
+    if not tf.io.gfile.exists(state_path):
+        raise _Corrupt(f"{_STATE} is missing")
+    with tf.io.gfile.GFile(state_path, "rb") as f:
+        blob = f.read()
+    if len(blob) != expected["bytes"]:
+        raise _Corrupt(f"{_STATE} has {len(blob)} bytes, the manifest says {expected['bytes']}")
+    if hashlib.sha256(blob).hexdigest() != expected["sha256"]:
+        raise _Corrupt(f"{_STATE} fails its sha256 checksum")
+    arrays = {}
+    for entry in manifest["arrays"]:
+        raw = blob[entry["offset"]:entry["offset"] + entry["bytes"]]
+        arrays[entry["name"]] = np.frombuffer(raw, dtype=np.dtype(entry["dtype"])).reshape(
+            entry["shape"])
+    return manifest, arrays

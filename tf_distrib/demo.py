@@ -1,5 +1,8 @@
 """The demo job: 2 local workers train a small classifier with MultiWorkerMirroredStrategy.
 
+Worker 1 is killed midway through the first attempt; the launcher restarts both and
+`callbacks.BackupAndRestore` resumes training from the last backup.
+
 `make demo` / `tf-distrib demo` runs `main()`. `train()` is the per-worker job; the
 tests reuse it to check that multi-worker and single-process runs agree.
 """
@@ -10,6 +13,7 @@ import argparse
 import os
 import signal
 import sys
+import tempfile
 import time
 
 # Built-in defaults: a job that takes seconds on a laptop CPU.
@@ -46,7 +50,8 @@ def build_model():
 
 def train(epochs: int = 3, global_batch_size: int = 64, seed: int = 1,
           logical_cpus: int | None = None, return_weights: bool = False,
-          verbose: int = 0, kill_at_step: int | None = None) -> dict:
+          verbose: int = 0, kill_at_step: int | None = None,
+          backup_dir: str | None = None) -> dict:
     """Trains the demo model with `make_strategy()` and returns a summary.
 
     Args:
@@ -58,6 +63,8 @@ def train(epochs: int = 3, global_batch_size: int = 64, seed: int = 1,
         verbose: Keras verbosity. Defaults to 0.
         kill_at_step: Fault injection: on the launcher's first attempt, worker 1
             SIGKILLs itself after this many training steps. Defaults to None.
+        backup_dir: Back up every 20 steps there with `callbacks.BackupAndRestore`,
+            and resume from it. Defaults to None (no backups).
 
     Returns:
         A dict with task, replicas, per-epoch losses, final accuracy, examples/sec
@@ -86,7 +93,11 @@ def train(epochs: int = 3, global_batch_size: int = 64, seed: int = 1,
         shuffle_buffer=len(x), seed=seed)
     steps = td.data.steps_per_epoch(len(x), global_batch_size)
     start = time.perf_counter()
-    callbacks = [] if kill_at_step is None else [_KillWorker1OnFirstAttempt(kill_at_step)]
+    callbacks = []
+    if backup_dir:
+        callbacks.append(td.callbacks.BackupAndRestore(backup_dir, save_freq=20))
+    if kill_at_step is not None:
+        callbacks.append(_KillWorker1OnFirstAttempt(kill_at_step))
     history = model.fit(dataset, epochs=epochs, verbose=verbose, callbacks=callbacks)
     seconds = time.perf_counter() - start
     summary = {
@@ -95,7 +106,8 @@ def train(epochs: int = 3, global_batch_size: int = 64, seed: int = 1,
         "replicas": strategy.num_replicas_in_sync,
         "loss": [float(v) for v in history.history["loss"]],
         "accuracy": float(history.history["accuracy"][-1]),
-        "examples_per_sec": epochs * steps * global_batch_size / seconds,
+        "examples_per_sec": len(history.epoch) * steps * global_batch_size / seconds,
+        "resumed_from_step": callbacks[0].restored_step if backup_dir else None,
     }
     if return_weights:
         summary["weights"] = [w.numpy() for w in model.weights]
@@ -145,13 +157,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tf_distrib demo: {options.num_workers} workers on 127.0.0.1, "
           "MultiWorkerMirroredStrategy, Keras model.fit, --max-restarts 1; worker 1 is "
           f"killed at step {options.kill_at_step} of the first attempt", flush=True)
-    result = launch(train, options.num_workers, max_restarts=1, timeout=600,
-                    args=(options.epochs, 64, 1, None, False, 0, options.kill_at_step or None),
-                    # Readable output: oneDNN's notice is TensorFlow's noisiest start-up line.
-                    env={"TF_ENABLE_ONEDNN_OPTS": "0"})
+    with tempfile.TemporaryDirectory(prefix="tf_distrib_demo_") as backup_dir:
+        result = launch(train, options.num_workers, max_restarts=1, timeout=600,
+                        kwargs={"epochs": options.epochs, "backup_dir": backup_dir,
+                                "kill_at_step": options.kill_at_step or None},
+                        # Readable output: oneDNN's notice is TensorFlow's noisiest line.
+                        env={"TF_ENABLE_ONEDNN_OPTS": "0"})
     print("\nAttempts")
     for attempt in result.attempts:
-        print(f"  attempt {attempt.number}: {attempt.failure or 'all workers finished'}")
+        outcome = attempt.failure or "all workers finished"
+        step = attempt.workers[0].value and attempt.workers[0].value["resumed_from_step"]
+        if step is not None:
+            outcome += f", resumed from the backup at step {step}"
+        print(f"  attempt {attempt.number}: {outcome}")
     if result.exit_code != 0:
         print(f"demo failed: {result.failure_report()}", file=sys.stderr)
         return result.exit_code

@@ -15,6 +15,7 @@ import sys
 # Benchmark name -> module with run(options) -> dict (its printed table is its own).
 BENCHMARKS = {
     "strategies": "tf_distrib.bench.strategies",
+    "backup": "tf_distrib.bench.backup",
 }
 
 

@@ -7,21 +7,35 @@ strategy = td.make_strategy()
 ds = tf.data.Dataset.from_tensor_slices((x, y))          # unbatched
 dist = td.data.distribute_dataset(strategy, ds, global_batch_size=256,
                                   shuffle_buffer=10_000, seed=1)
-model.fit(dist, epochs=3, steps_per_epoch=td.data.steps_per_epoch(len(x), 256))
+model.fit(dist, epochs=3)
+print(dist.steps_per_epoch, dist.dropped_examples)
+
+# Files: whole files per worker when there are enough, records otherwise.
+dist = td.data.distribute_dataset(strategy, "data/train-*.tfrecord", 256,
+                                  reader=parse_tfrecords)
 ```
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+import glob as glob_lib
+import logging
+import warnings
+from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
-__all__ = ["distribute_dataset", "per_replica_batch_size", "steps_per_epoch"]
+__all__ = ["distribute_dataset", "per_replica_batch_size", "steps_per_epoch", "shard_files",
+           "tfds_source", "TFDSSource", "SHARD_POLICIES"]
+
+SHARD_POLICIES = ("auto", "file", "data", "off")
 
 # Every input pipeline must shuffle in the same order when each one reads the whole
 # dataset and keeps its slice; a seed shared by all workers guarantees that.
 DEFAULT_SHARED_SEED = 0
+
+_log = logging.getLogger("tf_distrib")
 
 
 def per_replica_batch_size(strategy: tf.distribute.Strategy, global_batch_size: int) -> int:
@@ -49,75 +63,309 @@ def per_replica_batch_size(strategy: tf.distribute.Strategy, global_batch_size: 
 
 
 def steps_per_epoch(num_examples: int, global_batch_size: int) -> int:
-    """Steps of one epoch when the last partial global batch is dropped."""
+    """Steps of one epoch of `num_examples` when the last partial global batch is dropped."""
     return num_examples // global_batch_size
 
 
-def distribute_dataset(strategy: tf.distribute.Strategy,
-                       source: tf.data.Dataset | Callable[[tf.distribute.InputContext],
-                                                          tf.data.Dataset],
-                       global_batch_size: int, *, shuffle_buffer: int | None = None,
-                       seed: int | None = None,
-                       prefetch: int = tf.data.AUTOTUNE) -> tf.distribute.DistributedDataset:
-    """Shards, shuffles, batches and prefetches `source` for `strategy`.
+def shard_files(files: str | Sequence[str], input_context: tf.distribute.InputContext,
+                reader: Callable[[str], tf.data.Dataset] = tf.data.TFRecordDataset, *,
+                allow_record_sharding: bool = True) -> tf.data.Dataset:
+    """This input pipeline's records: whole files when there are enough, records otherwise.
 
-    Each step consumes one global batch: `global_batch_size` consecutive examples of
-    the (shuffled) dataset, split in order across the replicas of all workers. The
-    result is the same whatever the layout: 2 workers x 1 replica and 1 worker x 2
-    replicas compute on the same examples at every step. Every input pipeline yields
-    the same number of steps (a partial last global batch is dropped), so
-    MultiWorkerMirroredStrategy's collectives never mismatch.
+    Files are sorted and dealt round-robin: pipeline p reads files p, p + P, ...
+    With fewer files than pipelines, every pipeline reads every file and keeps
+    records p, p + P, ... (one warning), so no pipeline is ever empty.
+
+    Args:
+        files: File paths, or a glob pattern.
+        input_context: The `tf.distribute.InputContext` of this pipeline.
+        reader: Function from one file path to a dataset of its records.
+            Defaults to `tf.data.TFRecordDataset`.
+        allow_record_sharding: Fall back to record-level sharding when there are
+            fewer files than pipelines; False raises instead. Defaults to True.
+
+    Returns:
+        An unbatched `tf.data.Dataset`.
+    """
+    files = _resolve_files(files)
+    pipelines, index = input_context.num_input_pipelines, input_context.input_pipeline_id
+    if len(files) >= pipelines:
+        return _read(files[index::pipelines], reader)
+    if not allow_record_sharding:
+        raise ValueError(f"{len(files)} file(s) for {pipelines} input pipelines: every "
+                         "pipeline needs a whole file. Split the data into at least "
+                         f"{pipelines} files, or allow record-level sharding.")
+    warnings.warn(f"{len(files)} file(s) for {pipelines} input pipelines: sharding by "
+                  "record (every worker reads every file and keeps its share).", stacklevel=2)
+    return _read(files, reader).shard(pipelines, index)
+
+
+@dataclasses.dataclass(frozen=True)
+class TFDSSource:
+    """A TFDS split read offline, split evenly between input pipelines.
+
+    Create it with `tfds_source`.
+    """
+
+    name: str
+    split: str
+    data_dir: str | None
+    as_supervised: bool
+
+    def num_examples(self) -> int:
+        import tensorflow_datasets as tfds
+
+        builder = tfds.builder(self.name, data_dir=self.data_dir)
+        return builder.info.splits[self.split].num_examples
+
+    def load(self, pipelines: int, index: int) -> tf.data.Dataset:
+        """This pipeline's part: `tfds.even_splits` of the split, read without network."""
+        import tensorflow_datasets as tfds
+
+        split = tfds.even_splits(self.split, n=pipelines)[index] if pipelines > 1 else self.split
+        return tfds.load(self.name, split=split, data_dir=self.data_dir, download=False,
+                         as_supervised=self.as_supervised, shuffle_files=False)
+
+
+def tfds_source(name: str, split: str = "train", *, data_dir: str | None = None,
+                as_supervised: bool = True) -> TFDSSource:
+    """A TFDS split as a source for `distribute_dataset`: disjoint, equal parts per worker.
+
+    The split is divided with `tfds.even_splits` (so it works whatever the number of
+    files), and nothing is downloaded: the dataset must already be prepared in
+    `data_dir` (e.g. with `tf_distrib.datasets.prepare`).
+
+    Args:
+        name: The registered TFDS name, e.g. "tf_distrib_blobs".
+        split: The split. Defaults to "train".
+        data_dir: TFDS data directory. Defaults to None (TFDS' default).
+        as_supervised: Yield (features, label) pairs. Defaults to True.
+    """
+    return TFDSSource(name, split, data_dir, as_supervised)
+
+
+def distribute_dataset(strategy: tf.distribute.Strategy,
+                       source: tf.data.Dataset | Callable | str | Sequence[str] | TFDSSource,
+                       global_batch_size: int, *, shard_policy: str = "auto",
+                       shuffle_buffer: int | None = None, seed: int | None = None,
+                       drop_remainder: bool = True,
+                       reader: Callable[[str], tf.data.Dataset] = tf.data.TFRecordDataset,
+                       prefetch: int = tf.data.AUTOTUNE) -> tf.distribute.DistributedDataset:
+    """Shards, shuffles, batches and prefetches `source` for `strategy`'s `model.fit`.
+
+    Every pipeline yields the same number of steps: sources whose size can be known
+    (in-memory datasets, file lists, TFDS) are cut to the steps that every pipeline
+    can fill, so MultiWorkerMirroredStrategy's collectives never mismatch. Examples
+    left over are dropped and reported in the result's `dropped_examples`
+    (`steps_per_epoch` holds the step count; both None when unknown).
+
+    Shard policies:
+
+    - "data": every pipeline reads the whole source and keeps its slice of each
+      global batch; all layouts (2 workers x 1 replica, 1 worker x 2 replicas) then
+      train on identical batches.
+    - "file" (file lists only): whole files per pipeline, dealt by record count so
+      pipelines are as equal as whole files allow (a warning says how much is
+      dropped otherwise); record sharding when there are fewer files than pipelines.
+    - "off": no sharding; every pipeline reads the whole source (duplicates across
+      workers). Function sources are always "off": they shard themselves.
+    - "auto": "file" for file lists whose whole files give every pipeline the same
+      steps (within one global batch), "data" for other file lists and datasets,
+      even splits for TFDS, "off" for functions.
 
     Args:
         strategy: The strategy whose replicas consume the data.
-        source: An unbatched `tf.data.Dataset` (every worker reads it and keeps its
-            own slice), or `fn(input_context) -> unbatched tf.data.Dataset` that
-            returns only this input pipeline's examples.
+        source: An unbatched `tf.data.Dataset`; a function
+            `fn(input_context) -> unbatched tf.data.Dataset` returning this pipeline's
+            examples; file paths or a glob (read with `reader`); or a `tfds_source`.
         global_batch_size: Examples per step across all replicas.
+        shard_policy: One of `SHARD_POLICIES`. Defaults to "auto".
         shuffle_buffer: Shuffle buffer size, or None not to shuffle. Defaults to None.
-        seed: Shuffle seed. With a shared dataset and several input pipelines it
-            must be the same on every worker. Defaults to None: `DEFAULT_SHARED_SEED`
-            for a shared dataset read by several pipelines, random otherwise.
+        seed: Shuffle seed. With "data" sharding it must be the same on every worker.
+            Defaults to None: `DEFAULT_SHARED_SEED` where pipelines must agree, random
+            otherwise.
+        drop_remainder: Drop the last partial global batch. False is allowed only with
+            one replica: a partial batch can be neither split evenly between replicas
+            nor agreed on by workers. Defaults to True.
+        reader: For file sources, a function from one path to a dataset of its records.
+            Defaults to `tf.data.TFRecordDataset`.
         prefetch: Batches to prefetch. Defaults to `tf.data.AUTOTUNE`.
 
     Returns:
-        A `tf.distribute.DistributedDataset` for `model.fit`.
+        A `tf.distribute.DistributedDataset` for `model.fit`, with the attributes
+        `steps_per_epoch` and `dropped_examples`.
+
+    Raises:
+        ValueError: for an unknown policy, a policy that does not fit the source, a
+            batch that does not divide, no files, or drop_remainder=False with
+            several replicas.
+        TypeError: for a source of no known kind, or a function that returns no dataset.
     """
     per_replica = per_replica_batch_size(strategy, global_batch_size)
-    if not (callable(source) or isinstance(source, tf.data.Dataset)):
-        raise TypeError(f"source must be an unbatched tf.data.Dataset or a function of an "
-                        f"InputContext, got {type(source).__name__}.")
+    if shard_policy not in SHARD_POLICIES:
+        raise ValueError(f"shard_policy must be one of {SHARD_POLICIES}, got {shard_policy!r}.")
+    if not drop_remainder and strategy.num_replicas_in_sync > 1:
+        raise ValueError(
+            f"drop_remainder=False needs a single replica; with "
+            f"{strategy.num_replicas_in_sync} the last partial global batch can be neither "
+            "split evenly between replicas nor agreed on by all workers. Keep "
+            "drop_remainder=True: the dataset reports its dropped_examples.")
+    local = _local_replicas(strategy)
+    pipelines = strategy.num_replicas_in_sync // local
+    plan = _plan(source, shard_policy, pipelines, local * per_replica, global_batch_size,
+                 reader)
+    if not drop_remainder:
+        # One replica: nothing to equalize, and the partial last batch is kept.
+        plan = dataclasses.replace(plan, steps=None, dropped=0)
 
     def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
-        ds = source(context) if callable(source) else source
+        ds = plan.read(context)
         if not isinstance(ds, tf.data.Dataset):
             raise TypeError(f"The dataset function returned {type(ds).__name__}; it must "
                             "return an unbatched tf.data.Dataset.")
-        pipelines = context.num_input_pipelines
-        shared = not callable(source) and pipelines > 1
         if shuffle_buffer:
-            shuffle_seed = DEFAULT_SHARED_SEED if seed is None and shared else seed
-            ds = ds.shuffle(shuffle_buffer, seed=shuffle_seed, reshuffle_each_iteration=True)
-        if shared:
-            local = strategy.num_replicas_in_sync // pipelines
+            shared_order = plan.policy == "data" and pipelines > 1
+            ds = ds.shuffle(shuffle_buffer,
+                            seed=DEFAULT_SHARED_SEED if seed is None and shared_order else seed,
+                            reshuffle_each_iteration=True)
+        if plan.policy == "data" and pipelines > 1:
             lo = context.input_pipeline_id * local * per_replica
             hi = lo + local * per_replica
             ds = ds.batch(global_batch_size, drop_remainder=True)
-            steps = int(ds.cardinality())
             # Keep this pipeline's slice of each global batch, one element per replica.
             ds = ds.map(lambda *b: tf.nest.map_structure(
                 lambda t: tf.reshape(t[lo:hi], [local, per_replica, *t.shape[1:]]),
                 b if len(b) > 1 else b[0]))
             ds = ds.unbatch()
-            if steps >= 0:
-                ds = ds.apply(tf.data.experimental.assert_cardinality(steps * local))
         else:
-            ds = ds.batch(per_replica, drop_remainder=True)
+            ds = ds.batch(per_replica, drop_remainder=drop_remainder)
+        if plan.steps is not None:
+            ds = ds.take(plan.steps * local)
+            ds = ds.apply(tf.data.experimental.assert_cardinality(plan.steps * local))
         return ds.prefetch(prefetch)
 
     dataset = strategy.distribute_datasets_from_function(dataset_fn)
-    _count_steps_not_batches(dataset, _local_replicas(strategy))
+    _count_steps_not_batches(dataset, local)
+    dataset.steps_per_epoch = plan.steps
+    if plan.steps is None:
+        # The default strategy returns a plain tf.data.Dataset (cardinality a method).
+        cardinality = dataset.cardinality
+        cardinality = int(cardinality() if callable(cardinality) else cardinality)
+        dataset.steps_per_epoch = cardinality if cardinality >= 0 else None
+    dataset.dropped_examples = plan.dropped
+    if plan.dropped:
+        _log.info("distribute_dataset: %d steps per epoch; %d example(s) dropped each epoch "
+                  "(they do not fill a global batch of %d on every pipeline).",
+                  plan.steps, plan.dropped, global_batch_size)
     return dataset
+
+
+@dataclasses.dataclass
+class _Plan:
+    policy: str
+    read: Callable[[tf.distribute.InputContext], tf.data.Dataset]
+    steps: int | None = None
+    dropped: int | None = None
+
+
+def _plan(source, policy, pipelines, pipeline_batch, global_batch, reader) -> _Plan:
+    """How each pipeline reads `source`, and the step count all of them can fill."""
+    if isinstance(source, TFDSSource):
+        if policy not in ("auto", "data"):
+            raise ValueError(f"shard_policy={policy!r} does not apply to a TFDS source, "
+                             "which is split evenly between pipelines; use 'auto'.")
+        total = source.num_examples()
+        per_pipeline = total // pipelines  # even_splits gives floor or ceil of this
+        steps = per_pipeline // pipeline_batch
+        return _Plan("even", lambda c: source.load(c.num_input_pipelines, c.input_pipeline_id),
+                     steps, total - steps * global_batch)
+    if isinstance(source, tf.data.Dataset):
+        if policy == "file":
+            raise ValueError("shard_policy='file' needs files: pass the file paths (or a "
+                             "glob) as source, or use 'data' for an in-memory dataset.")
+        policy = "data" if policy == "auto" else policy
+        total = int(source.cardinality())
+        if total < 0:
+            return _Plan(policy, lambda c: source)
+        per_pipeline = total if policy == "off" else total // pipelines
+        steps = per_pipeline // pipeline_batch
+        dropped = (total - steps * global_batch) if policy == "data" else None
+        return _Plan(policy, lambda c: source, steps, dropped)
+    if isinstance(source, (str, list, tuple)):
+        files = _resolve_files(source)
+        return _file_plan(files, policy, pipelines, pipeline_batch, global_batch, reader)
+    if callable(source):
+        if policy not in ("auto", "off"):
+            raise ValueError(f"shard_policy={policy!r} does not apply to a dataset function: "
+                             "it returns its own pipeline's examples (e.g. with shard_files). "
+                             "Use 'auto' or 'off'.")
+        return _Plan("off", source)
+    raise TypeError(f"source must be an unbatched tf.data.Dataset, a function of an "
+                    f"InputContext, file paths or a tfds_source; got {type(source).__name__}.")
+
+
+def _file_plan(files, policy, pipelines, pipeline_batch, global_batch, reader) -> _Plan:
+    counts = [_count_records(f, reader) for f in files]
+    total = sum(counts)
+    if policy in ("auto", "file") and len(files) >= pipelines:
+        groups = _balance(counts, pipelines)
+        steps = min(sum(counts[i] for i in g) for g in groups) // pipeline_batch
+        dropped = total - steps * global_batch
+        # "auto" takes whole files only when they lose no more than a global batch.
+        policy = "file" if policy == "file" or dropped < global_batch else "data"
+    if policy == "file" and len(files) >= pipelines:
+        if dropped >= global_batch:
+            warnings.warn(
+                f"Whole-file sharding of {len(files)} files over {pipelines} pipelines leaves "
+                f"them unequal: {dropped} of {total} examples ({100 * dropped / total:.0f}%) "
+                "are dropped each epoch so that every worker runs the same steps. Use more, "
+                "equal files, or shard_policy='data'.", stacklevel=4)
+        return _Plan("file", lambda c: _read([files[i] for i in groups[c.input_pipeline_id]],
+                                             reader), steps, dropped)
+    if policy == "file":
+        steps = total // pipelines // pipeline_batch
+        return _Plan("file", lambda c: shard_files(files, c, reader), steps,
+                     total - steps * global_batch)
+    policy = "data" if policy == "auto" else policy
+    read_all = lambda c: _read(files, reader)  # noqa: E731
+    if policy == "data":
+        steps = total // pipelines // pipeline_batch
+        return _Plan("data", read_all, steps, total - steps * global_batch)
+    return _Plan("off", read_all, total // pipeline_batch, None)
+
+
+def _balance(counts: list[int], pipelines: int) -> list[list[int]]:
+    """Deals files, largest first, to the pipeline with the fewest records so far."""
+    groups = [[] for _ in range(pipelines)]
+    sizes = [0] * pipelines
+    for i in sorted(range(len(counts)), key=lambda i: (-counts[i], i)):
+        target = sizes.index(min(sizes))
+        groups[target].append(i)
+        sizes[target] += counts[i]
+    return [sorted(g) for g in groups]
+
+
+def _resolve_files(files) -> list[str]:
+    if isinstance(files, str):
+        matched = sorted(glob_lib.glob(files)) if glob_lib.has_magic(files) else [files]
+        if not matched:
+            raise ValueError(f"No file matches {files!r}.")
+        files = matched
+    files = sorted(str(f) for f in files)
+    if not files:
+        raise ValueError("The list of files is empty; give at least one file.")
+    missing = [f for f in files if not tf.io.gfile.exists(f)]
+    if missing:
+        raise ValueError(f"{len(missing)} file(s) do not exist, e.g. {missing[0]!r}.")
+    return files
+
+
+def _read(files, reader) -> tf.data.Dataset:
+    return tf.data.Dataset.from_tensor_slices(files).flat_map(reader)
+
+
+def _count_records(path, reader) -> int:
+    return int(reader(path).reduce(tf.constant(0, tf.int64), lambda n, _: n + 1))
 
 
 def _local_replicas(strategy: tf.distribute.Strategy) -> int:

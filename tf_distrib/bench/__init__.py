@@ -16,6 +16,7 @@ import sys
 BENCHMARKS = {
     "strategies": "tf_distrib.bench.strategies",
     "backup": "tf_distrib.bench.backup",
+    "data": "tf_distrib.bench.data",
 }
 
 

@@ -51,7 +51,7 @@ def build_model():
 def train(epochs: int = 3, global_batch_size: int = 64, seed: int = 1,
           logical_cpus: int | None = None, return_weights: bool = False,
           verbose: int = 0, kill_at_step: int | None = None,
-          backup_dir: str | None = None) -> dict:
+          backup_dir: str | None = None, data_dir: str | None = None) -> dict:
     """Trains the demo model with `make_strategy()` and returns a summary.
 
     Args:
@@ -65,6 +65,8 @@ def train(epochs: int = 3, global_batch_size: int = 64, seed: int = 1,
             SIGKILLs itself after this many training steps. Defaults to None.
         backup_dir: Back up every 20 steps there with `callbacks.BackupAndRestore`,
             and resume from it. Defaults to None (no backups).
+        data_dir: Read the shipped TFDS dataset `tf_distrib_blobs` prepared there
+            (`tf_distrib.datasets.prepare`). Defaults to None: the same data from memory.
 
     Returns:
         A dict with task, replicas, per-epoch losses, final accuracy, examples/sec
@@ -85,13 +87,15 @@ def train(epochs: int = 3, global_batch_size: int = 64, seed: int = 1,
     tf.config.experimental.enable_op_determinism()
     strategy = td.make_strategy()
     spec = td.cluster.from_environment()
-    x, y = make_data()
+    if data_dir:
+        source = td.data.tfds_source("tf_distrib_blobs", "train", data_dir=data_dir)
+    else:
+        source = tf.data.Dataset.from_tensor_slices(make_data())
     with strategy.scope():
         model = build_model()
-    dataset = td.data.distribute_dataset(
-        strategy, tf.data.Dataset.from_tensor_slices((x, y)), global_batch_size,
-        shuffle_buffer=len(x), seed=seed)
-    steps = td.data.steps_per_epoch(len(x), global_batch_size)
+    dataset = td.data.distribute_dataset(strategy, source, global_batch_size,
+                                         shuffle_buffer=NUM_EXAMPLES, seed=seed)
+    steps = dataset.steps_per_epoch
     start = time.perf_counter()
     callbacks = []
     if backup_dir:
@@ -134,6 +138,22 @@ def _KillWorker1OnFirstAttempt(step: int):
     return KillWorker1OnFirstAttempt()
 
 
+def _prepare_quietly(data_dir: str) -> None:
+    """Builds the TFDS dataset once, before the workers start, without progress bars."""
+    import contextlib
+    import io
+
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow_datasets as tfds
+
+    import tf_distrib.datasets
+
+    tfds.disable_progress_bar()
+    with contextlib.redirect_stdout(io.StringIO()):
+        tf_distrib.datasets.prepare(data_dir)
+    print(f"dataset: tf_distrib_blobs (TFDS, generated locally) in {data_dir}", flush=True)
+
+
 def format_summary(results: list[dict]) -> str:
     rows = [f"{'task':<10}{'workers':>8}{'replicas':>9}{'final loss':>12}{'accuracy':>10}"
             f"{'examples/s':>12}"]
@@ -157,9 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tf_distrib demo: {options.num_workers} workers on 127.0.0.1, "
           "MultiWorkerMirroredStrategy, Keras model.fit, --max-restarts 1; worker 1 is "
           f"killed at step {options.kill_at_step} of the first attempt", flush=True)
-    with tempfile.TemporaryDirectory(prefix="tf_distrib_demo_") as backup_dir:
+    with tempfile.TemporaryDirectory(prefix="tf_distrib_demo_") as tmp:
+        data_dir, backup_dir = os.path.join(tmp, "tfds"), os.path.join(tmp, "backup")
+        _prepare_quietly(data_dir)
         result = launch(train, options.num_workers, max_restarts=1, timeout=600,
                         kwargs={"epochs": options.epochs, "backup_dir": backup_dir,
+                                "data_dir": data_dir,
                                 "kill_at_step": options.kill_at_step or None},
                         # Readable output: oneDNN's notice is TensorFlow's noisiest line.
                         env={"TF_ENABLE_ONEDNN_OPTS": "0"})

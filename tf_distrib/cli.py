@@ -9,6 +9,7 @@ _COMMANDS = {
     "launch": ("tf_distrib.launch.cli", "start N workers with TF_CONFIG, restart on failure"),
     "demo": ("tf_distrib.demo", "2-worker MultiWorkerMirroredStrategy training demo"),
     "bench": ("tf_distrib.bench", "benchmarks against TensorFlow's built-ins"),
+    "doctor": ("tf_distrib.doctor", "check versions, devices, cluster config and ports"),
 }
 
 

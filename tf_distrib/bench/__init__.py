@@ -17,6 +17,7 @@ BENCHMARKS = {
     "strategies": "tf_distrib.bench.strategies",
     "backup": "tf_distrib.bench.backup",
     "data": "tf_distrib.bench.data",
+    "allreduce": "tf_distrib.bench.allreduce",
 }
 
 

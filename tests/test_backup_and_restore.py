@@ -185,3 +185,25 @@ def test_other_argument_validation():
         td.callbacks.BackupAndRestore("/tmp/x", keep=0)
     with pytest.raises(ValueError, match="needs a backup_dir"):
         td.callbacks.BackupAndRestore("")
+
+
+def test_skipped_steps_report_the_restored_metrics_to_other_callbacks(tmp_path):
+    class Stop(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 5:  # epoch 0, after the backup at step 4
+                raise RuntimeError("crash")
+
+    class ReadLoss(keras.callbacks.Callback):
+        seen = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            ReadLoss.seen.append(float(logs["loss"]))
+
+    backup = lambda: td.callbacks.BackupAndRestore(str(tmp_path), save_freq=4)  # noqa: E731
+    with pytest.raises(RuntimeError, match="crash"):
+        small_model().fit(small_data(), epochs=1, verbose=0, callbacks=[backup(), Stop()])
+    callback = backup()
+    small_model().fit(small_data(), epochs=1, verbose=0, callbacks=[callback, ReadLoss()])
+    assert callback.restored_step == 4
+    assert len(ReadLoss.seen) == 8 and all(np.isfinite(ReadLoss.seen))
+    assert ReadLoss.seen[0] == ReadLoss.seen[3]  # the 4 skipped steps report the backup's loss

@@ -176,7 +176,8 @@ class BackupAndRestore(keras.callbacks.Callback):
 
         Without a strategy Keras builds the metrics (and an unbuilt model) on the first
         step, so their state can only be assigned once the data's spec is known. The
-        skipped steps draw their batches without training on them.
+        skipped steps draw their batches without training on them and report the
+        restored metrics as their logs.
         """
         train_function = self.model.train_function
         per_call = self.model.steps_per_execution
@@ -195,7 +196,8 @@ class BackupAndRestore(keras.callbacks.Callback):
                 for _ in range(per_call):
                     next(iterator)
                 self._skip -= 1
-                return {}
+                # Other callbacks see the logs as they were at the backup.
+                return self.model.get_metrics_result()
             self.model.train_function = train_function
             return train_function(iterator)
 

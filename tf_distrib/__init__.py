@@ -30,8 +30,8 @@ _EXPORTS = {
     "KerasMultiWorkerMirroredStrategy": "tf_distrib.strategy",
     "HostMirroredStrategy": "tf_distrib.strategy",
 }
-_SUBMODULES = ("callbacks", "cluster", "data", "doctor", "launch", "lr", "strategy",
-               "testing")
+_SUBMODULES = ("callbacks", "cluster", "cross_device", "data", "doctor", "launch", "lr",
+               "strategy", "testing")
 
 __all__ = ["__version__", *_EXPORTS, *_SUBMODULES]
 

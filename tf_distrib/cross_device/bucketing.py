@@ -1,0 +1,52 @@
+"""Pack many tensors into a few flat buckets and back (tensor fusion).
+
+Reducing one 25 MB bucket costs one collective's fixed overhead instead of hundreds:
+on 4 logical CPUs TF's ops spend ~0.25 ms per tensor whatever its size (`make bench`).
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "plan_buckets", "pack", "unpack"]
+
+# PyTorch DDP's default bucket size.
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+
+def plan_buckets(tensors, bucket_bytes: int) -> list[list[int]]:
+    """Groups tensor indices into buckets of one dtype and at most `bucket_bytes` each.
+
+    Tensors keep their order inside a bucket; one larger than `bucket_bytes` gets a
+    bucket of its own.
+    """
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}.")
+    open_buckets: dict[tf.DType, tuple[list[int], int]] = {}
+    buckets = []
+    for i, t in enumerate(tensors):
+        size = t.shape.num_elements()
+        nbytes = (size if size is not None else 0) * t.dtype.size
+        members, used = open_buckets.get(t.dtype, ([], 0))
+        if members and used + nbytes > bucket_bytes:
+            buckets.append(members)
+            members, used = [], 0
+        open_buckets[t.dtype] = (members + [i], used + nbytes)
+    buckets += [members for members, _ in open_buckets.values() if members]
+    return sorted(buckets, key=lambda b: b[0])
+
+
+def pack(tensors) -> tf.Tensor:
+    """Concatenates the tensors, flattened, into one 1-D tensor."""
+    if len(tensors) == 1:
+        return tf.reshape(tensors[0], [-1])
+    return tf.concat([tf.reshape(t, [-1]) for t in tensors], axis=0)
+
+
+def unpack(flat: tf.Tensor, like) -> list[tf.Tensor]:
+    """Splits `flat` back into tensors shaped like `like` (the tensors given to `pack`)."""
+    if len(like) == 1:
+        return [tf.reshape(flat, tf.shape(like[0]))]
+    sizes = [t.shape.num_elements() if t.shape.is_fully_defined() else tf.size(t) for t in like]
+    parts = tf.split(flat, sizes)
+    return [tf.reshape(p, tf.shape(t)) for p, t in zip(parts, like, strict=True)]

@@ -1,0 +1,92 @@
+"""Compressors: one idea every transport reuses (as Horovod's).
+
+`compress(tensor) -> (compressed, ctx)` and `decompress(compressed, ctx) -> tensor`.
+Only floating tensors wider than the target are compressed; integers and
+already-narrow floats pass through unchanged.
+
+Error bounds (round to nearest): bfloat16 keeps 8 significant bits, a relative error
+of at most 2^-8 per value; float16 keeps 11, at most 2^-11, with a range of +-65504.
+The float16 compressor saturates: values beyond the range become +-65504 (never inf).
+Reductions that use a compressor sum x/N over N replicas, so the sum stays within
+the range its inputs fit in, and scale back afterwards.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+__all__ = ["Compressor", "NoCompression", "CastCompressor", "get_compressor", "COMPRESSIONS"]
+
+_FP16_MAX = 65504.0
+
+
+class Compressor:
+    """Turns a tensor into a cheaper one for transport and back."""
+
+    name = "none"
+    #: Relative error bound of one value's round trip.
+    relative_error = 0.0
+
+    def compress(self, tensor):
+        """Returns (compressed tensor, context needed to decompress it)."""
+        return tensor, None
+
+    def decompress(self, tensor, ctx):
+        """Inverse of `compress`, up to the compressor's error bound."""
+        return tensor
+
+
+class NoCompression(Compressor):
+    """Leaves tensors as they are."""
+
+
+class CastCompressor(Compressor):
+    """Casts floating tensors wider than `dtype` to `dtype`, and back.
+
+    Args:
+        dtype: "bfloat16" or "float16".
+    """
+
+    def __init__(self, dtype: str):
+        self.dtype = tf.as_dtype(dtype)
+        if self.dtype not in (tf.bfloat16, tf.float16):
+            raise ValueError(f"CastCompressor compresses to bfloat16 or float16, got {dtype!r}.")
+        self.name = self.dtype.name
+        self.relative_error = 2.0 ** -8 if self.dtype == tf.bfloat16 else 2.0 ** -11
+
+    def compress(self, tensor):
+        values = tensor.values if isinstance(tensor, tf.IndexedSlices) else tensor
+        if not values.dtype.is_floating or values.dtype.size <= self.dtype.size:
+            return tensor, None
+        if self.dtype == tf.float16:
+            values = tf.clip_by_value(values, -_FP16_MAX, _FP16_MAX)  # saturate, never inf
+        compressed = tf.cast(values, self.dtype)
+        if isinstance(tensor, tf.IndexedSlices):
+            compressed = tf.IndexedSlices(compressed, tensor.indices, tensor.dense_shape)
+        return compressed, values.dtype
+
+    def decompress(self, tensor, ctx):
+        if ctx is None:
+            return tensor
+        if isinstance(tensor, tf.IndexedSlices):
+            return tf.IndexedSlices(tf.cast(tensor.values, ctx), tensor.indices,
+                                    tensor.dense_shape)
+        return tf.cast(tensor, ctx)
+
+
+COMPRESSIONS = {"none": NoCompression, "bf16": lambda: CastCompressor("bfloat16"),
+                "bfloat16": lambda: CastCompressor("bfloat16"),
+                "fp16": lambda: CastCompressor("float16"),
+                "float16": lambda: CastCompressor("float16")}
+
+
+def get_compressor(compression) -> Compressor:
+    """A `Compressor` from a name ("bf16", "fp16", "none"), None, or a Compressor."""
+    if compression is None:
+        return NoCompression()
+    if isinstance(compression, Compressor):
+        return compression
+    if compression in COMPRESSIONS:
+        return COMPRESSIONS[compression]()
+    raise ValueError(f"compression must be one of {sorted(COMPRESSIONS)}, None or a "
+                     f"Compressor, got {compression!r}.")

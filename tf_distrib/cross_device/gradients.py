@@ -1,0 +1,95 @@
+"""Compression and buckets on Keras' gradient all-reduce under MultiWorkerMirroredStrategy.
+
+MWMS asserts that its cross-device op is TF's CollectiveAllReduce, and swapping it
+silently stops cross-worker synchronisation. Keras 3 sums gradients in one place,
+`TFOptimizer._all_reduce_sum_gradients`, through `replica_context.all_reduce`; this
+module routes that call through a `GradientAllReduce` when the optimizer's strategy
+carries one (only strategies from `make_strategy(compression=..., bucket_bytes=...)`).
+Metrics and logged losses keep their exact float32 reductions.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tf_distrib.cross_device import bucketing
+from tf_distrib.cross_device.compression import Compressor, get_compressor
+
+# Attribute of a strategy holding its GradientAllReduce.
+STRATEGY_ATTRIBUTE = "_tf_distrib_gradient_all_reduce"
+
+
+class GradientAllReduce:
+    """Sums gradients across all replicas: compressed, packed in buckets, by TF's collective.
+
+    Args:
+        compression: "bf16", "fp16", "none" or a `Compressor`. Defaults to None (none).
+        bucket_bytes: Largest bucket in bytes; None sends each gradient on its own.
+            Defaults to None.
+    """
+
+    def __init__(self, compression: str | Compressor | None = None,
+                 bucket_bytes: int | None = None):
+        self.compressor = get_compressor(compression)
+        if bucket_bytes is not None:
+            bucketing.plan_buckets([], bucket_bytes)  # validates
+        self.bucket_bytes = bucket_bytes
+
+    def __call__(self, grads: list) -> list:
+        """All-reduces `grads` (SUM) in replica context; same structure out."""
+        context = tf.distribute.get_replica_context()
+        n = context.num_replicas_in_sync
+        results = list(grads)
+        sparse = [i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
+        dense = [i for i, g in enumerate(grads) if not isinstance(g, tf.IndexedSlices)]
+        if sparse:
+            for i, g in zip(sparse, context.all_reduce(tf.distribute.ReduceOp.SUM,
+                                                       [grads[i] for i in sparse]), strict=True):
+                results[i] = g
+        if not dense:
+            return results
+        # Each replica sends g / n so the sum stays in range; scaled back below.
+        sent, contexts = [], []
+        for i in dense:
+            g = grads[i]
+            if g.dtype.is_floating:
+                g = g * tf.cast(1.0 / n, g.dtype)
+            g, ctx = self.compressor.compress(g)
+            sent.append(g)
+            contexts.append(ctx)
+        plan = (bucketing.plan_buckets(sent, self.bucket_bytes) if self.bucket_bytes
+                else [[k] for k in range(len(sent))])
+        packed = [bucketing.pack([sent[k] for k in members]) for members in plan]
+        reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, packed)
+        for members, flat in zip(plan, reduced, strict=True):
+            parts = bucketing.unpack(flat, [sent[k] for k in members])
+            for k, part in zip(members, parts, strict=True):
+                g = self.compressor.decompress(part, contexts[k])
+                if g.dtype.is_floating:
+                    g = g * tf.cast(n, g.dtype)
+                results[dense[k]] = g
+        return results
+
+
+def install() -> None:
+    """Routes Keras' gradient all-reduce through a strategy's GradientAllReduce. Idempotent."""
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+    original = TFOptimizer._all_reduce_sum_gradients
+    if getattr(original, "_tf_distrib", False):
+        return
+
+    def all_reduce_sum_gradients(self, grads_and_vars):
+        reduce = getattr(self._distribution_strategy, STRATEGY_ATTRIBUTE, None)
+        if reduce is None or not tf.distribute.get_replica_context():
+            return original(self, grads_and_vars)
+        grads_and_vars = list(grads_and_vars)
+        present = [i for i, (g, _) in enumerate(grads_and_vars) if g is not None]
+        reduced = reduce([grads_and_vars[i][0] for i in present]) if present else []
+        result = list(grads_and_vars)
+        for i, g in zip(present, reduced, strict=True):
+            result[i] = (g, grads_and_vars[i][1])
+        return result
+
+    all_reduce_sum_gradients._tf_distrib = True
+    TFOptimizer._all_reduce_sum_gradients = all_reduce_sum_gradients

@@ -44,8 +44,16 @@ def builtin_ops() -> dict:
 
 
 def all_ops() -> dict:
-    """Every op the benchmark compares."""
-    return builtin_ops()
+    """Every op the benchmark compares: TF's built-ins, then tf_distrib's."""
+    from tf_distrib.cross_device import BucketedAllReduce, CompressedAllReduce, RingAllReduce
+
+    return {**builtin_ops(),
+            "tf_distrib BucketedAllReduce": BucketedAllReduce,
+            "tf_distrib Bucketed + Ring": lambda: BucketedAllReduce(inner=RingAllReduce()),
+            "tf_distrib Bucketed + Compressed bf16": lambda: BucketedAllReduce(
+                inner=CompressedAllReduce("bfloat16")),
+            "tf_distrib Bucketed + Compressed fp16": lambda: BucketedAllReduce(
+                inner=CompressedAllReduce("float16"))}
 
 
 def measure(ops: dict, repeats: int = 5) -> dict:
@@ -78,10 +86,11 @@ def measure(ops: dict, repeats: int = 5) -> dict:
                 return strategy.run(lambda *g: tf.distribute.get_replica_context().all_reduce(
                     tf.distribute.ReduceOp.SUM, list(g)), args=tuple(values))
 
-            reduced = all_reduce(values)  # trace, and check the result once
+            reduced = all_reduce(values)  # trace, and check the result once (16-bit
+            # compression included: the exact bounds are tested in tests/)
             np.testing.assert_allclose(strategy.experimental_local_results(reduced[0])[0],
-                                       sum(replica[0] for replica in arrays), rtol=1e-2,
-                                       atol=1e-2)
+                                       sum(replica[0] for replica in arrays), rtol=5e-2,
+                                       atol=5e-2)
             start = time.perf_counter()
             for _ in range(repeats):
                 reduced = all_reduce(values)

@@ -48,26 +48,27 @@ class GradientAllReduce:
                 results[i] = g
         if not dense:
             return results
+        # Pack first, then compress each bucket once: one cast per bucket, not per tensor.
         # Each replica sends g / n so the sum stays in range; scaled back below.
+        values = [grads[i] for i in dense]
+        plan = (bucketing.plan_buckets(values, self.bucket_bytes) if self.bucket_bytes
+                else [[k] for k in range(len(values))])
         sent, contexts = [], []
-        for i in dense:
-            g = grads[i]
-            if g.dtype.is_floating:
-                g = g * tf.cast(1.0 / n, g.dtype)
-            g, ctx = self.compressor.compress(g)
-            sent.append(g)
+        for members in plan:
+            flat = bucketing.pack([values[k] for k in members])
+            if flat.dtype.is_floating:
+                flat = flat * tf.cast(1.0 / n, flat.dtype)
+            flat, ctx = self.compressor.compress(flat)
+            sent.append(flat)
             contexts.append(ctx)
-        plan = (bucketing.plan_buckets(sent, self.bucket_bytes) if self.bucket_bytes
-                else [[k] for k in range(len(sent))])
-        packed = [bucketing.pack([sent[k] for k in members]) for members in plan]
-        reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, packed)
-        for members, flat in zip(plan, reduced, strict=True):
-            parts = bucketing.unpack(flat, [sent[k] for k in members])
+        reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, sent)
+        for members, flat, ctx in zip(plan, reduced, contexts, strict=True):
+            flat = self.compressor.decompress(flat, ctx)
+            if flat.dtype.is_floating:
+                flat = flat * tf.cast(n, flat.dtype)
+            parts = bucketing.unpack(flat, [values[k] for k in members])
             for k, part in zip(members, parts, strict=True):
-                g = self.compressor.decompress(part, contexts[k])
-                if g.dtype.is_floating:
-                    g = g * tf.cast(n, g.dtype)
-                results[dense[k]] = g
+                results[dense[k]] = part
         return results
 
 

@@ -18,6 +18,7 @@ BENCHMARKS = {
     "backup": "tf_distrib.bench.backup",
     "data": "tf_distrib.bench.data",
     "allreduce": "tf_distrib.bench.allreduce",
+    "mwms": "tf_distrib.bench.mwms",
 }
 
 

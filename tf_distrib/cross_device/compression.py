@@ -6,9 +6,10 @@ already-narrow floats pass through unchanged.
 
 Error bounds (round to nearest): bfloat16 keeps 8 significant bits, a relative error
 of at most 2^-8 per value; float16 keeps 11, at most 2^-11, with a range of +-65504.
-The float16 compressor saturates: values beyond the range become +-65504 (never inf).
-Reductions that use a compressor sum x/N over N replicas, so the sum stays within
-the range its inputs fit in, and scale back afterwards.
+The float16 compressor saturates: values beyond the range become +-65504 (never inf),
+and reductions through it sum x/N over N replicas (`Compressor.prescale`), so the sum
+stays within the range its inputs fit in, then scale back. bfloat16 has float32's
+range and needs neither.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ class Compressor:
     name = "none"
     #: Relative error bound of one value's round trip.
     relative_error = 0.0
+    #: Whether reductions must send x / N (and scale back) to stay within range.
+    prescale = False
 
     def compress(self, tensor):
         """Returns (compressed tensor, context needed to decompress it)."""
@@ -53,6 +56,7 @@ class CastCompressor(Compressor):
             raise ValueError(f"CastCompressor compresses to bfloat16 or float16, got {dtype!r}.")
         self.name = self.dtype.name
         self.relative_error = 2.0 ** -8 if self.dtype == tf.bfloat16 else 2.0 ** -11
+        self.prescale = self.dtype == tf.float16
 
     def compress(self, tensor):
         values = tensor.values if isinstance(tensor, tf.IndexedSlices) else tensor

@@ -49,14 +49,15 @@ class GradientAllReduce:
         if not dense:
             return results
         # Pack first, then compress each bucket once: one cast per bucket, not per tensor.
-        # Each replica sends g / n so the sum stays in range; scaled back below.
+        # With float16 each replica sends g / n so the sum stays in range.
+        prescale = self.compressor.prescale
         values = [grads[i] for i in dense]
         plan = (bucketing.plan_buckets(values, self.bucket_bytes) if self.bucket_bytes
                 else [[k] for k in range(len(values))])
         sent, contexts = [], []
         for members in plan:
             flat = bucketing.pack([values[k] for k in members])
-            if flat.dtype.is_floating:
+            if prescale and flat.dtype.is_floating:
                 flat = flat * tf.cast(1.0 / n, flat.dtype)
             flat, ctx = self.compressor.compress(flat)
             sent.append(flat)
@@ -64,7 +65,7 @@ class GradientAllReduce:
         reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, sent)
         for members, flat, ctx in zip(plan, reduced, contexts, strict=True):
             flat = self.compressor.decompress(flat, ctx)
-            if flat.dtype.is_floating:
+            if prescale and flat.dtype.is_floating:
                 flat = flat * tf.cast(n, flat.dtype)
             parts = bucketing.unpack(flat, [values[k] for k in members])
             for k, part in zip(members, parts, strict=True):

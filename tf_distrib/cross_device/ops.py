@@ -113,9 +113,9 @@ def _is_dense_float(value) -> bool:
 class CompressedAllReduce(_LocalReduce):
     """Compresses floating values before `inner` reduces them, decompresses after.
 
-    Each replica sends x / N in the compressed dtype and the sum is scaled back, so
-    the sum never leaves the range the inputs fit in (see
-    `tf_distrib.cross_device.compression` for error bounds). Integers and narrow
+    With float16 each replica sends x / N and the sum is scaled back, so the sum
+    never leaves the range the inputs fit in (see `tf_distrib.cross_device.compression`
+    for error bounds). Integers and narrow
     floats pass through uncompressed; `IndexedSlices` have their values compressed.
 
     Args:
@@ -134,18 +134,20 @@ class CompressedAllReduce(_LocalReduce):
 
     def _reduce_local(self, reduce_op, values, devices, options):
         n = len(devices)
+        prescale = 1.0 / n if self.compressor.prescale else 1.0
         compressed, contexts = [], []
         for value in values:
             parts = []
             for component in value.values:
                 with tf.device(component.device):
-                    part, ctx = self.compressor.compress(_scale(component, 1.0 / n))
+                    part, ctx = self.compressor.compress(_scale(component, prescale))
                 parts.append(part)
             compressed.append(_per_replica(parts))
             contexts.append(ctx)
         reduced = self.inner(devices).batch_reduce_implementation(
             tf.distribute.ReduceOp.SUM, [(c, c) for c in compressed], options)
-        scale = float(n) if reduce_op == tf.distribute.ReduceOp.SUM else 1.0
+        # The inner sum is prescale * S: SUM wants S, MEAN wants S / n.
+        scale = 1.0 / prescale if reduce_op == tf.distribute.ReduceOp.SUM else 1.0 / (prescale * n)
         results = []
         for mirrored, ctx in zip(reduced, contexts, strict=True):
             parts = []

@@ -31,7 +31,7 @@ _EXPORTS = {
     "HostMirroredStrategy": "tf_distrib.strategy",
 }
 _SUBMODULES = ("callbacks", "cluster", "cross_device", "data", "doctor", "launch", "lr",
-               "strategy", "testing")
+               "model_parallel", "strategy", "testing")
 
 __all__ = ["__version__", *_EXPORTS, *_SUBMODULES]
 

@@ -19,6 +19,7 @@ BENCHMARKS = {
     "data": "tf_distrib.bench.data",
     "allreduce": "tf_distrib.bench.allreduce",
     "mwms": "tf_distrib.bench.mwms",
+    "model_parallel": "tf_distrib.bench.model_parallel",
 }
 
 

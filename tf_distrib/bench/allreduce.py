@@ -56,14 +56,20 @@ def all_ops() -> dict:
                 inner=CompressedAllReduce("float16"))}
 
 
-def measure(ops: dict, repeats: int = 5) -> dict:
-    """ms per batch all-reduce for each op, on each gradient set; needs 4 logical CPUs."""
+def measure(ops: dict, repeats: int = 5, sets=GRADIENT_SETS) -> dict:
+    """ms per batch all-reduce for each op, on each gradient set; needs 4 logical CPUs.
+
+    Args:
+        ops: Name -> factory of a CrossDeviceOps (None: TF's default).
+        repeats: Timed repetitions. Defaults to 5.
+        sets: (name, total floats, tensors) gradient sets. Defaults to `GRADIENT_SETS`.
+    """
     import numpy as np
     import tensorflow as tf
 
     devices = [d.name for d in tf.config.list_logical_devices("CPU")][:REPLICAS]
-    sets = []
-    for set_name, total, count in GRADIENT_SETS:
+    prepared = []
+    for set_name, total, count in sets:
         arrays = [[np.random.default_rng(r * 1000 + i).standard_normal(n).astype(np.float32)
                    for i, n in enumerate(gradient_shapes(total, count))]
                   for r in range(REPLICAS)]
@@ -71,12 +77,12 @@ def measure(ops: dict, repeats: int = 5) -> dict:
         for _ in range(repeats):
             [sum(replica[i] for replica in arrays) for i in range(count)]
         reference = (time.perf_counter() - start) / repeats * 1e3
-        sets.append((set_name, total, count, arrays,
-                     {"numpy sum (memory-bandwidth reference)": reference}))
+        prepared.append((set_name, total, count, arrays,
+                         {"numpy sum (memory-bandwidth reference)": reference}))
     for name, make_op in ops.items():
         # One strategy per op: TF's collectives reuse instance keys across strategies.
         strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=make_op())
-        for _, _, _, arrays, timings in sets:
+        for _, _, _, arrays, timings in prepared:
             values = strategy.experimental_distribute_values_from_function(
                 lambda ctx, arrays=arrays: [tf.constant(a)
                                             for a in arrays[ctx.replica_id_in_sync_group]])
@@ -97,7 +103,7 @@ def measure(ops: dict, repeats: int = 5) -> dict:
             strategy.experimental_local_results(reduced[-1])[0].numpy()
             timings[name] = (time.perf_counter() - start) / repeats * 1e3
     return {set_name: {"floats": total, "tensors": count, "ms": timings}
-            for set_name, total, count, _, timings in sets}
+            for set_name, total, count, _, timings in prepared}
 
 
 def print_table(results: dict, builtin_names) -> None:

@@ -30,6 +30,8 @@ __all__ = [
     "from_environment",
     "local_tf_configs",
     "free_ports",
+    "is_listening",
+    "is_private_address",
 ]
 
 # Roles that tf.distribute knows. "chief" and "worker" train under
@@ -472,6 +474,16 @@ def local_tf_configs(num_workers: int, host: str = "127.0.0.1",
     for config in configs:
         parse_tf_config(config)
     return configs
+
+
+def is_listening(address: str, timeout: float = 1.0) -> bool:
+    """Whether something accepts TCP connections at "host:port" within `timeout` seconds."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return True
+    except OSError:
+        return False
 
 
 def is_private_address(host: str) -> bool:

@@ -39,15 +39,6 @@ def _port_free(port: int) -> bool:
             return False
 
 
-def _reachable(address: str) -> bool:
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=1):
-            return True
-    except OSError:
-        return False
-
-
 def check(environ=None, devices: bool = True,
           probe_peers: bool = True) -> tuple[list[str], list[str]]:
     """Returns (report lines, problems).
@@ -103,7 +94,7 @@ def check(environ=None, devices: bool = True,
                 continue
             if not probe_peers:
                 state = "not probed"
-            elif _reachable(address):
+            elif cluster_lib.is_listening(address):
                 state = "reachable"
             else:
                 state = "not answering (not started yet?)"

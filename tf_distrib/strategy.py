@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import sys
 import threading
 
@@ -265,7 +264,8 @@ class _exit_if_peers_missing:
         if self._done.wait(self._timeout):
             return
         missing = [a for role in cluster_lib.TRAINING_ROLES
-                   for a in self._spec.cluster.get(role, ()) if not _listening(a)]
+                   for a in self._spec.cluster.get(role, ())
+                   if not cluster_lib.is_listening(a, timeout=2)]
         sys.stderr.write(
             f"tf_distrib: task {self._spec.task_type}:{self._spec.task_index} waited "
             f"{self._timeout:g} s for the cluster to start; not listening: "
@@ -275,13 +275,4 @@ class _exit_if_peers_missing:
             f"{STARTUP_TIMEOUT_EXIT_CODE}.\n")
         sys.stderr.flush()
         os._exit(STARTUP_TIMEOUT_EXIT_CODE)
-
-
-def _listening(address: str) -> bool:
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
-            return True
-    except OSError:
-        return False
 

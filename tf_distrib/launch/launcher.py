@@ -6,7 +6,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -190,21 +189,23 @@ def launch(target: str | Sequence[str] | Callable, num_workers: int, *,
                        hosts, host_index, base_port)
     stdout, stderr = (None, None) if quiet else (sys.stdout, sys.stderr)
     with tempfile.TemporaryDirectory(prefix="tf_distrib_launch_") as workdir:
-        resolved = targets.resolve(target, args, kwargs, workdir)
         attempts: list[Attempt] = []
         with _StopSignals() as stop:
-            deadline = None if timeout is None else time.monotonic() + timeout
+            group = _Group(
+                target=targets.resolve(target, args, kwargs, workdir), workdir=workdir,
+                num_workers=num_workers, max_restarts=max_restarts,
+                startup_timeout=startup_timeout, grace_period=grace_period,
+                deadline=None if timeout is None else time.monotonic() + timeout,
+                env=dict(env or {}), host=host, hosts=hosts, host_index=host_index,
+                base_port=base_port, stop=stop, stdout=stdout, stderr=stderr)
             for number in range(max_restarts + 1):
-                attempt = _run_attempt(
-                    resolved, number, num_workers, max_restarts, startup_timeout,
-                    grace_period, deadline, env, host, hosts, host_index, base_port,
-                    workdir, stop, stdout, stderr)
+                attempt = _run_attempt(group, number)
                 attempts.append(attempt)
                 if attempt.failure is None:
                     return LaunchResult(0, attempts)
                 if stop.signum is not None:
                     return LaunchResult(128 + stop.signum, attempts)
-                if deadline is not None and time.monotonic() >= deadline:
+                if group.deadline is not None and time.monotonic() >= group.deadline:
                     break
                 if number < max_restarts and stderr is not None:
                     stderr.write(f"[launcher] attempt {number} failed: {attempt.failure}; "
@@ -236,17 +237,39 @@ def _check_launch_args(num_workers, max_restarts, startup_timeout, grace_period,
                               "ports below 65536.")
 
 
-def _tf_configs(num_workers, host, hosts, host_index, base_port) -> tuple[list[dict], int]:
+@dataclasses.dataclass(frozen=True)
+class _Group:
+    """What every attempt of one launch shares."""
+
+    target: targets.Target
+    workdir: str
+    num_workers: int
+    max_restarts: int
+    startup_timeout: float | None
+    grace_period: float
+    deadline: float | None
+    env: dict
+    host: str
+    hosts: Sequence[str] | None
+    host_index: int
+    base_port: int
+    stop: _StopSignals
+    stdout: object
+    stderr: object
+
+
+def _tf_configs(group: _Group) -> tuple[list[dict], int]:
     """The TF_CONFIGs of this host's workers and the global index of the first."""
-    if hosts is None:
-        return cluster_lib.local_tf_configs(num_workers, host), 0
+    n = group.num_workers
+    if group.hosts is None:
+        return cluster_lib.local_tf_configs(n, group.host), 0
     addresses = []
-    for entry in hosts:
-        name, port = _split_host(entry, base_port)
-        addresses += [f"{name}:{port + i}" for i in range(num_workers)]
-    first = host_index * num_workers
+    for entry in group.hosts:
+        name, port = _split_host(entry, group.base_port)
+        addresses += [f"{name}:{port + i}" for i in range(n)]
+    first = group.host_index * n
     configs = [{"cluster": {"worker": addresses}, "task": {"type": "worker", "index": first + i}}
-               for i in range(num_workers)]
+               for i in range(n)]
     for config in configs:
         cluster_lib.parse_tf_config(config)
     return configs, first
@@ -260,63 +283,65 @@ def _split_host(entry: str, base_port: int) -> tuple[str, int]:
     return entry, base_port
 
 
-def _run_attempt(resolved, number, num_workers, max_restarts, startup_timeout, grace_period,
-                 deadline, env, host, hosts, host_index, base_port, workdir, stop, stdout,
-                 stderr) -> Attempt:
-    configs, first = _tf_configs(num_workers, host, hosts, host_index, base_port)
-    total = num_workers * (len(hosts) if hosts else 1)
+def _run_attempt(group: _Group, number: int) -> Attempt:
+    configs, first = _tf_configs(group)
+    num_workers = len(configs)
+    total = num_workers * (len(group.hosts) if group.hosts else 1)
     commands, result_paths = [], []
     for i, config in enumerate(configs):
-        worker_env = {**os.environ, **(env or {})}
+        worker_env = {**os.environ, **group.env}
         worker_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         worker_env.update({
             "TF_CONFIG": json.dumps(config),
             ENV_WORKER_INDEX: str(first + i),
             ENV_NUM_WORKERS: str(total),
             ENV_ATTEMPT: str(number),
-            ENV_MAX_RESTARTS: str(max_restarts),
+            ENV_MAX_RESTARTS: str(group.max_restarts),
             "PYTHONUNBUFFERED": "1",
         })
-        if startup_timeout is not None:
-            worker_env[ENV_STARTUP_TIMEOUT] = str(startup_timeout)
-        path = os.path.join(workdir, f"result-{number}-{i}.pkl")
+        if group.startup_timeout is not None:
+            worker_env[ENV_STARTUP_TIMEOUT] = str(group.startup_timeout)
+        path = os.path.join(group.workdir, f"result-{number}-{i}.pkl")
         result_paths.append(path)
-        commands.append((resolved.command(path), worker_env))
+        commands.append((group.target.command(path), worker_env))
     ports = [int(c["cluster"]["worker"][c["task"]["index"]].rpartition(":")[2]) for c in configs]
 
     prefixes = [f"[worker {first + i}] " for i in range(num_workers)]
-    group = ProcessGroup(commands, prefixes, stdout=stdout, stderr=stderr)
+    processes = ProcessGroup(commands, prefixes, stdout=group.stdout, stderr=group.stderr)
     failure = failed = None
     started = time.monotonic()
     joined = [False] * num_workers
     while failure is None:
-        codes = group.returncodes()
+        codes = processes.returncodes()
         bad = [i for i, c in enumerate(codes) if c not in (None, 0)]
         if bad:
             failed = bad[0]
             failure = f"worker {first + failed} failed with " + _status(codes[failed])
         elif all(c == 0 for c in codes):
             break
-        elif stop.signum is not None:
-            failure = f"launcher received {signal.Signals(stop.signum).name}"
-        elif deadline is not None and time.monotonic() >= deadline:
+        elif group.stop.signum is not None:
+            failure = f"launcher received {signal.Signals(group.stop.signum).name}"
+        elif group.deadline is not None and time.monotonic() >= group.deadline:
             failure = "the launch timed out"
-        elif startup_timeout is not None and not all(joined):
+        elif group.startup_timeout is not None and not all(joined):
             for i in range(num_workers):
-                joined[i] = joined[i] or codes[i] is not None or _listening(host, ports[i])
-            if not all(joined) and time.monotonic() - started > startup_timeout:
+                joined[i] = (joined[i] or codes[i] is not None or cluster_lib.is_listening(
+                    f"{group.host}:{ports[i]}", timeout=0.2))
+            if not all(joined) and time.monotonic() - started > group.startup_timeout:
                 failed = joined.index(False)
                 failure = (f"worker {first + failed} did not start TensorFlow's server on "
-                           f"port {ports[failed]} within startup_timeout={startup_timeout:g} s")
+                           f"port {ports[failed]} within "
+                           f"startup_timeout={group.startup_timeout:g} s")
         if failure is None:
             time.sleep(_POLL_SECONDS)
-    if failed is not None and group.returncodes()[failed] == PREEMPTED_EXIT_CODE:
-        deadline = time.monotonic() + grace_period
-        while any(c is None for c in group.returncodes()) and time.monotonic() < deadline:
+    if failed is not None and processes.returncodes()[failed] == PREEMPTED_EXIT_CODE:
+        # Peers save at the same step and exit on their own: give them the grace period.
+        deadline = time.monotonic() + group.grace_period
+        while any(c is None for c in processes.returncodes()) and time.monotonic() < deadline:
             time.sleep(_POLL_SECONDS)
-    group.stop(grace_period)
-    workers = [
-        _worker_result(i, w, result_paths[i], resolved) for i, w in enumerate(group.workers)]
+    processes.stop(group.grace_period)
+    workers = [_worker_result(i, w, result_paths[i], group.target)
+               for i, w in enumerate(processes.workers)]
     return Attempt(number, workers, failure, failed)
 
 
@@ -336,14 +361,6 @@ def _exit_code_of(attempt: Attempt) -> int:
         return 1
     code = attempt.workers[attempt.failed_worker].exit_code
     return 128 - code if code < 0 else code or 1
-
-
-def _listening(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=0.2):
-            return True
-    except OSError:
-        return False
 
 
 class _StopSignals:

@@ -17,8 +17,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src import tree
-from keras.src.trainers.data_adapters import data_adapter_utils
+from keras import tree
 
 __all__ = ["pipeline", "PipelineModel", "balance", "memory_per_device"]
 
@@ -84,7 +83,7 @@ class PipelineModel(keras.Model):
     def train_step(self, data):
         if self.num_microbatches == 1:
             return super().train_step(data)
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         m = self.num_microbatches
         batch = tree.flatten(x)[0].shape[0]
         if batch is not None and batch % m:

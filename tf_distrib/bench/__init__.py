@@ -19,6 +19,8 @@ BENCHMARKS = {
     "data": "tf_distrib.bench.data",
     "allreduce": "tf_distrib.bench.allreduce",
     "mwms": "tf_distrib.bench.mwms",
+    "fit_ops": "tf_distrib.bench.fit_ops",
+    "scaling": "tf_distrib.bench.scaling",
     "model_parallel": "tf_distrib.bench.model_parallel",
 }
 

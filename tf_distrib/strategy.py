@@ -24,11 +24,12 @@ import threading
 import tensorflow as tf
 
 from tf_distrib import cluster as cluster_lib
+from tf_distrib import cross_device
+from tf_distrib.cross_device import gradients
 from tf_distrib.launch.launcher import ENV_STARTUP_TIMEOUT
 
 __all__ = ["make_strategy", "use_logical_cpus", "KerasMultiWorkerMirroredStrategy",
-           "HostMirroredStrategy",
-           "STARTUP_TIMEOUT_EXIT_CODE"]
+           "HostMirroredStrategy", "STARTUP_TIMEOUT_EXIT_CODE"]
 
 # Exit status of a worker whose peers did not join within `startup_timeout`
 # (EX_TEMPFAIL: the launcher restarts the group).
@@ -192,9 +193,6 @@ def make_strategy(cross_device_ops: tf.distribute.CrossDeviceOps | None = None, 
                                                        tf.distribute.CrossDeviceOps):
         raise TypeError(f"cross_device_ops must be a tf.distribute.CrossDeviceOps, got "
                         f"{type(cross_device_ops).__name__}.")
-    from tf_distrib import cross_device
-    from tf_distrib.cross_device import gradients
-
     gradient_reduce = None
     if compression is not None or bucket_bytes is not None:
         gradient_reduce = gradients.GradientAllReduce(compression, bucket_bytes)  # validates

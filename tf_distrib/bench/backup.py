@@ -35,15 +35,13 @@ def run(options) -> dict:
     import tensorflow as tf
 
     import tf_distrib as td
+    from tf_distrib.bench.models import mlp
 
     repeats = 1 if options.quick else 5
     x = np.random.default_rng(0).random((STEPS * BATCH, 784), dtype=np.float32)
     y = np.random.default_rng(1).integers(0, 10, len(x)).astype("int32")
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).cache()
-    model = keras.Sequential([keras.Input((784,)), keras.layers.Dense(512, activation="relu"),
-                              keras.layers.Dense(512, activation="relu"), keras.layers.Dense(10)])
-    model.compile(keras.optimizers.Adam(1e-3),
-                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model = mlp(optimizer=keras.optimizers.Adam(1e-3))
     model.fit(dataset, epochs=1, verbose=0)  # trace and build
     with tempfile.TemporaryDirectory() as tmp:
         candidates = {

@@ -17,12 +17,12 @@ STEPS = 160
 
 
 def _measure() -> dict:
-    import keras
     import numpy as np
     import tensorflow as tf
 
     import tf_distrib as td
     from tf_distrib.bench import allreduce
+    from tf_distrib.bench.models import mlp
 
     td.use_logical_cpus(4)
     devices = [d.name for d in tf.config.list_logical_devices("CPU")]
@@ -32,12 +32,7 @@ def _measure() -> dict:
     for name, make_op in allreduce.all_ops().items():
         strategy = td.HostMirroredStrategy(devices, cross_device_ops=make_op())
         with strategy.scope():
-            model = keras.Sequential([keras.Input((784,)),
-                                      keras.layers.Dense(512, activation="relu"),
-                                      keras.layers.Dense(512, activation="relu"),
-                                      keras.layers.Dense(10)])
-            model.compile(keras.optimizers.SGD(0.01),
-                          keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            model = mlp()
         data = td.data.distribute_dataset(
             strategy, tf.data.Dataset.from_tensor_slices((x, y)).cache(), GLOBAL_BATCH)
         history = model.fit(data, epochs=3, verbose=0,

@@ -26,9 +26,8 @@ def _worker(settings: dict) -> float:
     import tensorflow as tf
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
-    import keras
-
     import tf_distrib as td
+    from tf_distrib.bench.models import mlp
 
     strategy = td.make_strategy(**settings)
     workers = int(os.environ["TF_DISTRIB_NUM_WORKERS"])
@@ -36,11 +35,7 @@ def _worker(settings: dict) -> float:
     x = np.random.default_rng(0).random((global_batch * STEPS, 784), dtype=np.float32)
     y = np.random.default_rng(1).integers(0, 10, len(x)).astype("int32")
     with strategy.scope():
-        model = keras.Sequential([keras.Input((784,)), keras.layers.Dense(1024, activation="relu"),
-                                  keras.layers.Dense(1024, activation="relu"),
-                                  keras.layers.Dense(10)])
-        model.compile(keras.optimizers.SGD(0.01),
-                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model = mlp((1024, 1024))
     data = td.data.distribute_dataset(strategy, tf.data.Dataset.from_tensor_slices((x, y)),
                                       global_batch)
     history = model.fit(data, epochs=2, verbose=0,

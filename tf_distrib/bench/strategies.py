@@ -20,11 +20,11 @@ CONFIGS = ("no strategy", "tf OneDeviceStrategy (ceiling)", "tf MirroredStrategy
 
 
 def _measure(logical_cpus: int, steps: int, repeats: int) -> dict:
-    import keras
     import numpy as np
     import tensorflow as tf
 
     import tf_distrib as td
+    from tf_distrib.bench.models import mlp
 
     td.use_logical_cpus(logical_cpus)
     x = np.random.default_rng(0).random((GLOBAL_BATCH * steps, 784), dtype=np.float32)
@@ -42,12 +42,7 @@ def _measure(logical_cpus: int, steps: int, repeats: int) -> dict:
     rates = {}
     for name, (strategy, data) in runs.items():
         with strategy.scope():
-            model = keras.Sequential([keras.Input((784,)),
-                                      keras.layers.Dense(512, activation="relu"),
-                                      keras.layers.Dense(512, activation="relu"),
-                                      keras.layers.Dense(10)])
-            model.compile(keras.optimizers.SGD(0.01),
-                          keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            model = mlp()
         model.fit(data, verbose=0)  # trace and warm up
         best = 0.0
         for _ in range(repeats):

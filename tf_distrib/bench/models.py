@@ -1,0 +1,15 @@
+"""The models the benchmarks train."""
+
+from __future__ import annotations
+
+
+def mlp(hidden=(512, 512), optimizer=None):
+    """A compiled MLP 784-hidden...-10 for sparse labels; SGD(0.01) unless `optimizer` given."""
+    import keras
+
+    model = keras.Sequential([keras.Input((784,))]
+                             + [keras.layers.Dense(n, activation="relu") for n in hidden]
+                             + [keras.layers.Dense(10)])
+    model.compile(optimizer or keras.optimizers.SGD(0.01),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model

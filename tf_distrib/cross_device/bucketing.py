@@ -12,9 +12,10 @@ __all__ = ["DEFAULT_BUCKET_BYTES", "ALONE_FROM_BYTES", "plan_buckets", "pack", "
 
 # PyTorch DDP's default bucket size.
 DEFAULT_BUCKET_BYTES = 25 * 2**20
-# Tensors this large travel alone: copying them into a bucket costs more memory
-# bandwidth than the per-tensor overhead it saves (measured on CPU: `make bench`).
-ALONE_FROM_BYTES = 2**20
+# Tensors this large travel alone: copying them into a bucket costs more than the
+# per-op overhead it saves (~25 us per op against ~5 GB/s of copying: ~128 KB break-even,
+# measured on CPU with `make bench` -> allreduce).
+ALONE_FROM_BYTES = 2**17
 
 
 def plan_buckets(tensors, bucket_bytes: int,

@@ -134,8 +134,11 @@ def test_all_backups_corrupt_starts_fresh_with_a_warning(tmp_path):
     fit_with_backups(tmp_path)
     for name in os.listdir(tmp_path):
         (tmp_path / name / "state.bin").write_bytes(b"garbage")
-    with pytest.warns(UserWarning, match="none of the 2 backup.*starts from scratch"):
+    with pytest.warns(UserWarning) as record:
         callback = fit_with_backups(tmp_path, epochs=1)
+    messages = [str(w.message) for w in record if "BackupAndRestore" in str(w.message)]
+    assert len([m for m in messages if "is unusable" in m]) == 2
+    assert any("none of the 2 backup(s)" in m and "starts from scratch" in m for m in messages)
     assert callback.restored_step is None
 
 

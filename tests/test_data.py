@@ -162,7 +162,7 @@ def test_per_replica_batch_size():
     assert td.data.per_replica_batch_size(strategy, 64) == 16
     with pytest.raises(ValueError, match="does not divide by the 4 replicas.*e.g. 60 or 64"):
         td.data.per_replica_batch_size(strategy, 62)
-    with pytest.raises(ValueError, match="positive integer"):
+    with pytest.raises(ValueError, match="global_batch_size must be an integer >= 1"):
         td.data.per_replica_batch_size(strategy, 0)
 
 

@@ -87,7 +87,7 @@ def test_scale_learning_rate():
     assert td.lr.scale_learning_rate(0.1, 256, 1024, rule="sqrt") == pytest.approx(0.2)
     with pytest.raises(ValueError, match="rule must be one of"):
         td.lr.scale_learning_rate(0.1, 256, 1024, rule="cubic")
-    with pytest.raises(ValueError, match="global_batch must be a positive integer"):
+    with pytest.raises(ValueError, match="global_batch must be an integer >= 1"):
         td.lr.scale_learning_rate(0.1, 256, 0)
 
 

@@ -48,7 +48,7 @@ def test_use_logical_cpus_is_idempotent_and_late_calls_explain_the_fix():
     with pytest.raises(RuntimeError, match="came too late.*before any tensor"):
         td.use_logical_cpus(LOGICAL_CPUS + 1)
     for bad in (0, -1, 2.0, True):
-        with pytest.raises(ValueError, match="integer n >= 1"):
+        with pytest.raises(ValueError, match="n must be an integer >= 1"):
             td.use_logical_cpus(bad)
 
 

@@ -21,6 +21,7 @@ def _usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`tf-distrib COMMAND ...`: dispatch to the command's own `main`."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())

@@ -23,6 +23,8 @@ import re
 import socket
 from collections.abc import Mapping
 
+from tf_distrib._checks import check_int
+
 __all__ = [
     "ClusterConfigError",
     "ClusterSpec",
@@ -30,6 +32,7 @@ __all__ = [
     "from_environment",
     "local_tf_configs",
     "free_ports",
+    "expand_slurm_nodelist",
     "is_listening",
     "is_private_address",
 ]
@@ -462,8 +465,7 @@ def local_tf_configs(num_workers: int, host: str = "127.0.0.1",
     Returns:
         A list of `num_workers` TF_CONFIG dicts (JSON-encode them for the environment).
     """
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-        raise ValueError(f"num_workers must be an integer >= 1, got {num_workers!r}.")
+    check_int("num_workers", num_workers)
     ports = free_ports(num_workers, host) if ports is None else list(ports)
     if len(ports) != num_workers:
         raise ValueError(f"Got {len(ports)} ports for {num_workers} workers.")

@@ -26,7 +26,9 @@ from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
-__all__ = ["distribute_dataset", "per_replica_batch_size", "steps_per_epoch", "shard_files",
+from tf_distrib._checks import check_int
+
+__all__ = ["distribute_dataset", "per_replica_batch_size", "shard_files",
            "tfds_source", "TFDSSource", "SHARD_POLICIES"]
 
 SHARD_POLICIES = ("auto", "file", "data", "off")
@@ -49,10 +51,7 @@ def per_replica_batch_size(strategy: tf.distribute.Strategy, global_batch_size: 
         ValueError: if `global_batch_size` is not a positive multiple of the replicas.
     """
     replicas = strategy.num_replicas_in_sync
-    if (isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int)
-            or global_batch_size < 1):
-        raise ValueError(f"global_batch_size must be a positive integer, got "
-                         f"{global_batch_size!r}.")
+    check_int("global_batch_size", global_batch_size)
     if global_batch_size % replicas:
         lower = global_batch_size - global_batch_size % replicas
         raise ValueError(
@@ -60,11 +59,6 @@ def per_replica_batch_size(strategy: tf.distribute.Strategy, global_batch_size: 
             f"{replicas} replicas in sync; use a multiple of {replicas}, e.g. "
             f"{lower or replicas} or {lower + replicas}.")
     return global_batch_size // replicas
-
-
-def steps_per_epoch(num_examples: int, global_batch_size: int) -> int:
-    """Steps of one epoch of `num_examples` when the last partial global batch is dropped."""
-    return num_examples // global_batch_size
 
 
 def shard_files(files: str | Sequence[str], input_context: tf.distribute.InputContext,
@@ -113,6 +107,7 @@ class TFDSSource:
     as_supervised: bool
 
     def num_examples(self) -> int:
+        """Examples in the split, from the prepared dataset's metadata."""
         import tensorflow_datasets as tfds
 
         builder = tfds.builder(self.name, data_dir=self.data_dir)

@@ -34,6 +34,7 @@ def make_data(num_examples: int = NUM_EXAMPLES, seed: int = 0):
 
 
 def build_model():
+    """The demo's compiled MLP 16-64-64-4 (SGD with momentum, sparse labels, accuracy)."""
     import keras
 
     model = keras.Sequential([
@@ -155,6 +156,7 @@ def _prepare_quietly(data_dir: str) -> None:
 
 
 def format_summary(results: list[dict]) -> str:
+    """One table row per worker summary returned by `train`."""
     rows = [f"{'task':<10}{'workers':>8}{'replicas':>9}{'final loss':>12}{'accuracy':>10}"
             f"{'examples/s':>12}"]
     for r in results:
@@ -164,6 +166,7 @@ def format_summary(results: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`tf-distrib demo`: launch the demo with an injected failure and print the summary."""
     parser = argparse.ArgumentParser(prog="tf-distrib demo", description=__doc__)
     parser.add_argument("-n", "--num-workers", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=3)

@@ -109,6 +109,7 @@ def check(environ=None, devices: bool = True,
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`tf-distrib doctor`: print the report; exit status 1 when there are problems."""
     parser = argparse.ArgumentParser(prog="tf-distrib doctor", description=__doc__)
     parser.add_argument("--no-devices", action="store_true",
                         help="skip importing TensorFlow to list devices")

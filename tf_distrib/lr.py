@@ -15,6 +15,8 @@ import math
 
 import keras
 
+from tf_distrib._checks import check_int
+
 __all__ = ["scale_learning_rate", "LinearWarmup", "SCALING_RULES"]
 
 SCALING_RULES = ("linear", "sqrt")
@@ -36,9 +38,8 @@ def scale_learning_rate(base_lr: float, base_batch: int, global_batch: int,
     """
     if rule not in SCALING_RULES:
         raise ValueError(f"rule must be one of {SCALING_RULES}, got {rule!r}.")
-    for name, value in (("base_batch", base_batch), ("global_batch", global_batch)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    check_int("base_batch", base_batch)
+    check_int("global_batch", global_batch)
     if not base_lr > 0:
         raise ValueError(f"base_lr must be > 0, got {base_lr!r}.")
     factor = global_batch / base_batch
@@ -69,8 +70,7 @@ class LinearWarmup(keras.optimizers.schedules.LearningRateSchedule):
 
     def __init__(self, after, warmup_steps: int, initial_learning_rate: float = 0.0):
         super().__init__()
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
-            raise ValueError(f"warmup_steps must be an integer >= 1, got {warmup_steps!r}.")
+        check_int("warmup_steps", warmup_steps)
         if isinstance(after, dict):  # from get_config
             after = keras.saving.deserialize_keras_object(after)
         self.after = after

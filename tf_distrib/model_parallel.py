@@ -19,6 +19,8 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
+from tf_distrib._checks import check_int
+
 __all__ = ["pipeline", "PipelineModel", "balance", "memory_per_device"]
 
 
@@ -134,9 +136,7 @@ def pipeline(model, devices: list[str], *, num_microbatches: int = 1) -> Pipelin
             Sequential or not built, a bad `num_microbatches`.
         TypeError: a layer that cannot be re-created on its device (no `get_config`).
     """
-    if (isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int)
-            or num_microbatches < 1):
-        raise ValueError(f"num_microbatches must be an integer >= 1, got {num_microbatches!r}.")
+    check_int("num_microbatches", num_microbatches)
     devices = _check_devices(devices)
     if isinstance(model, (list, tuple)):
         groups = [list(g) for g in model]

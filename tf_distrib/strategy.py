@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from tf_distrib import cluster as cluster_lib
 from tf_distrib import cross_device
+from tf_distrib._checks import check_int
 from tf_distrib.cross_device import gradients
 from tf_distrib.launch.launcher import ENV_STARTUP_TIMEOUT
 
@@ -59,8 +60,7 @@ def use_logical_cpus(n: int) -> None:
     assert td.make_strategy().num_replicas_in_sync == 2
     ```
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"use_logical_cpus(n) needs an integer n >= 1, got {n!r}.")
+    check_int("n", n)
     cpu = tf.config.list_physical_devices("CPU")[0]
     current = tf.config.get_logical_device_configuration(cpu)
     if len(current or [None]) == n:

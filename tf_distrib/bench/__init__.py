@@ -26,6 +26,7 @@ BENCHMARKS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`tf-distrib bench [NAMES]`: run benchmarks, print tables, write JSON."""
     parser = argparse.ArgumentParser(prog="tf-distrib bench", description=__doc__)
     parser.add_argument("names", nargs="*", choices=[[], *BENCHMARKS], default=[],
                         help="benchmarks to run (default: all)")

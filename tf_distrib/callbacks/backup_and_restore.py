@@ -5,6 +5,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from tf_distrib._checks import check_int
 from tf_distrib.callbacks.backup_store import BackupStore
 from tf_distrib.callbacks.preemption import PreemptionWatcher
 from tf_distrib.launch.launcher import PREEMPTED_EXIT_CODE
@@ -69,8 +70,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                                      or save_freq < 1):
             raise ValueError(
                 f"save_freq must be 'epoch' or a positive number of steps, got {save_freq!r}.")
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise ValueError(f"keep must be an integer >= 1, got {keep!r}.")
+        check_int("keep", keep)
         self.backup_dir = str(backup_dir)
         self.save_freq = save_freq
         self.delete_checkpoint = delete_checkpoint

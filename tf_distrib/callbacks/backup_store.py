@@ -105,6 +105,7 @@ class BackupStore:
         return None
 
     def delete_all(self) -> None:
+        """Deletes every committed backup (temporary directories of live writers stay)."""
         for step in self.steps():
             tf.io.gfile.rmtree(self._path(step))
 

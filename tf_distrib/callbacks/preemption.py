@@ -80,6 +80,7 @@ class PreemptionWatcher:
         return self._stop_at
 
     def close(self) -> None:
+        """Stops watching and restores the previous SIGTERM handler."""
         self._closed.set()
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)

@@ -7,6 +7,8 @@ import time
 import keras
 import numpy as np
 
+from tf_distrib._checks import check_int
+
 
 class Throughput(keras.callbacks.Callback):
     """Adds throughput and step times to each epoch's `logs`.
@@ -35,12 +37,8 @@ class Throughput(keras.callbacks.Callback):
 
     def __init__(self, global_batch_size: int, warmup_steps: int = 2):
         super().__init__()
-        if (isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int)
-                or global_batch_size < 1):
-            raise ValueError(f"global_batch_size must be a positive integer, got "
-                             f"{global_batch_size!r}.")
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}.")
+        check_int("global_batch_size", global_batch_size)
+        check_int("warmup_steps", warmup_steps, minimum=0)
         self.global_batch_size = global_batch_size
         self.warmup_steps = warmup_steps
         self.warmup_excluded = 0

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from tf_distrib._checks import check_int
+
 __all__ = ["DEFAULT_BUCKET_BYTES", "ALONE_FROM_BYTES", "plan_buckets", "pack", "unpack"]
 
 # PyTorch DDP's default bucket size.
@@ -25,8 +27,7 @@ def plan_buckets(tensors, bucket_bytes: int,
     Tensors keep their order inside a bucket; one of `alone_from_bytes` or more (or
     larger than `bucket_bytes`) gets a bucket of its own, which packs without a copy.
     """
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}.")
+    check_int("bucket_bytes", bucket_bytes)
     open_buckets: dict[tf.DType, tuple[list[int], int]] = {}
     buckets = []
     for i, t in enumerate(tensors):

@@ -54,6 +54,7 @@ class _LocalReduce(tf.distribute.CrossDeviceOps):
         self._inner = inner
 
     def inner(self, devices) -> tf.distribute.CrossDeviceOps:
+        """The op that reduces what this one does not; chosen from `devices` if unset."""
         if self._inner is None:
             self._inner = _default_inner(devices)
         return self._inner

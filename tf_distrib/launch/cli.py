@@ -77,6 +77,7 @@ def _job_from_args(options) -> JobConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`tf-distrib launch ...`: run the launch; its exit status (2 for bad input)."""
     options = _parser().parse_args(argv)
     try:
         job = _job_from_args(options)

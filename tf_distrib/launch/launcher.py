@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tf_distrib import cluster as cluster_lib
+from tf_distrib._checks import check_int
 from tf_distrib.launch import targets
 from tf_distrib.launch.errors import LaunchError
 from tf_distrib.launch.process_group import ProcessGroup
@@ -215,13 +216,11 @@ def launch(target: str | Sequence[str] | Callable, num_workers: int, *,
 
 def _check_launch_args(num_workers, max_restarts, startup_timeout, grace_period, timeout,
                        hosts, host_index, base_port):
-    def is_int(v):
-        return isinstance(v, int) and not isinstance(v, bool)
-
-    if not is_int(num_workers) or num_workers < 1:
-        raise LaunchError(f"num_workers must be an integer >= 1, got {num_workers!r}.")
-    if not is_int(max_restarts) or max_restarts < 0:
-        raise LaunchError(f"max_restarts must be an integer >= 0, got {max_restarts!r}.")
+    try:
+        check_int("num_workers", num_workers)
+        check_int("max_restarts", max_restarts, minimum=0)
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
     for name, value in (("startup_timeout", startup_timeout), ("timeout", timeout)):
         if value is not None and not value > 0:
             raise LaunchError(f"{name} must be > 0 seconds or None, got {value!r}.")
@@ -230,9 +229,11 @@ def _check_launch_args(num_workers, max_restarts, startup_timeout, grace_period,
     if hosts is not None:
         if not hosts or not all(isinstance(h, str) and h for h in hosts):
             raise LaunchError(f"hosts must be a non-empty list of addresses, got {hosts!r}.")
-        if not is_int(host_index) or not 0 <= host_index < len(hosts):
+        if (isinstance(host_index, bool) or not isinstance(host_index, int)
+                or not 0 <= host_index < len(hosts)):
             raise LaunchError(f"host_index must be in 0..{len(hosts) - 1}, got {host_index!r}.")
-        if not is_int(base_port) or not 1 <= base_port <= 65535 - num_workers:
+        if (isinstance(base_port, bool) or not isinstance(base_port, int)
+                or not 1 <= base_port <= 65535 - num_workers):
             raise LaunchError(f"base_port {base_port!r} leaves no room for {num_workers} "
                               "ports below 65536.")
 

@@ -102,6 +102,7 @@ class ProcessGroup:
             raise
 
     def returncodes(self) -> list[int | None]:
+        """Each worker's exit status, None while it runs."""
         return [w.returncode for w in self.workers]
 
     def stop(self, grace_period: float) -> None:

@@ -9,7 +9,7 @@ INSTALLED := $(VENV)/.installed
 
 $(INSTALLED): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,ray]'
 	touch $@
 
 venv: $(INSTALLED)

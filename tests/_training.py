@@ -51,5 +51,7 @@ def train_with_backup(backup_dir, epochs=3, save_freq=10, kill_at=None, kill_wor
         callbacks.append(Kill())
     history = model.fit(dataset, epochs=epochs, verbose=0, callbacks=callbacks)
     return {"weights": [w.numpy() for w in model.weights],
+            "strategy": type(strategy).__name__,
+            "replicas": strategy.num_replicas_in_sync,
             "iterations": int(model.optimizer.iterations.numpy()),
             "loss": history.history["loss"], "restored_step": backup.restored_step}

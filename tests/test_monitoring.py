@@ -152,3 +152,12 @@ def test_doctor_reports_a_busy_port_and_warns_about_public_addresses():
                                           probe_peers=False)
     assert any(f"port {port} of this task is in use" in p for p in problems)
     assert any("34.1.2.3" in line and "no authentication" in line for line in lines)
+
+
+def test_doctor_side_car_evaluator_outside_the_cluster():
+    config = {"cluster": {"chief": ["127.0.0.1:2222"], "worker": ["127.0.0.1:2223"]},
+              "task": {"type": "evaluator", "index": 0}}
+    lines, problems = td.doctor.check({"TF_CONFIG": json.dumps(config)}, devices=False,
+                                      probe_peers=False)
+    assert problems == []
+    assert any("evaluator:0 outside the cluster" in line for line in lines)

@@ -102,9 +102,10 @@ class ClusterSpec:
         return self.chief is None and self.task_type == "worker" and self.task_index == 0
 
     @property
-    def address(self) -> str:
-        """This task's own "host:port"."""
-        return self.cluster[self.task_type][self.task_index]
+    def address(self) -> str | None:
+        """This task's own "host:port" (None for an evaluator outside the cluster)."""
+        addresses = self.cluster.get(self.task_type)
+        return addresses[self.task_index] if addresses else None
 
     def to_tf_config(self) -> dict:
         """Returns the TF_CONFIG dictionary that describes this spec."""
@@ -119,20 +120,16 @@ class ClusterSpec:
     def check_roles_for(self, strategy_name: str) -> None:
         """Raises ClusterConfigError if the cluster has roles `strategy_name` cannot use.
 
-        MultiWorkerMirroredStrategy trains on "chief" and "worker" tasks only.
+        MultiWorkerMirroredStrategy trains on "chief" and "worker" tasks; an
+        "evaluator" (Kubeflow's Evaluator, Vertex AI's pool 3) may be listed, as
+        tf.distribute leaves it out of the collective. "ps" tasks cannot be used.
         """
-        unusable = sorted(set(self.cluster) - set(TRAINING_ROLES))
+        unusable = sorted(set(self.cluster) - set(TRAINING_ROLES) - {"evaluator"})
         if unusable:
             raise ClusterConfigError(
                 f"TF_CONFIG cluster has role(s) {unusable}, which {strategy_name} cannot "
                 "use: it trains on 'chief' and 'worker' tasks only. Remove the "
-                f"{unusable} entries, or use tf.distribute.ParameterServerStrategy for 'ps' "
-                "(run an 'evaluator' as a separate job without TF_CONFIG's cluster)."
-            )
-        if self.task_type not in TRAINING_ROLES:
-            raise ClusterConfigError(
-                f"TF_CONFIG task type '{self.task_type}' cannot run {strategy_name}; "
-                "set task.type to 'chief' or 'worker'."
+                f"{unusable} entries, or use tf.distribute.ParameterServerStrategy."
             )
 
 
@@ -170,11 +167,13 @@ def parse_tf_config(value: str | Mapping) -> ClusterSpec:
             f"TF_CONFIG must be a JSON object with 'cluster' and 'task', got "
             f"{type(value).__name__}."
         )
-    unknown = sorted(set(value) - {"cluster", "task", "environment", "rpc_layer", "job"})
+    # "job" and "cloud" are Vertex AI / AI Platform additions that TF ignores.
+    unknown = sorted(set(value) - {"cluster", "task", "environment", "rpc_layer", "job",
+                                   "cloud"})
     if unknown:
         raise ClusterConfigError(
             f"TF_CONFIG has unknown key(s) {unknown}; allowed keys are 'cluster', 'task', "
-            "'environment' and 'rpc_layer'."
+            "'environment' and 'rpc_layer' (and Vertex AI's 'job' and 'cloud')."
         )
     cluster = _parse_cluster(value.get("cluster"))
     task_type, task_index = _parse_task(value.get("task"), cluster)
@@ -292,16 +291,19 @@ def _parse_task(task, cluster) -> tuple[str, int]:
         raise ClusterConfigError(
             f"TF_CONFIG task.type '{task_type}' is unknown; use one of {', '.join(KNOWN_ROLES)}."
         )
-    if task_type not in cluster:
-        raise ClusterConfigError(
-            f"TF_CONFIG task.type '{task_type}' is not a role in cluster ({sorted(cluster)}); "
-            f"add cluster.{task_type} or fix task.type."
-        )
     index = task.get("index", 0)
     # bool is an int subclass; True would silently mean task 1.
     if isinstance(index, bool) or not isinstance(index, int):
         raise ClusterConfigError(
             f"TF_CONFIG task.index must be an integer, got {index!r}."
+        )
+    if task_type == "evaluator" and task_type not in cluster:
+        # Vertex AI leaves its evaluator out of the cluster: it is not part of training.
+        return task_type, index
+    if task_type not in cluster:
+        raise ClusterConfigError(
+            f"TF_CONFIG task.type '{task_type}' is not a role in cluster ({sorted(cluster)}); "
+            f"add cluster.{task_type} or fix task.type."
         )
     size = len(cluster[task_type])
     if not 0 <= index < size:
@@ -314,6 +316,18 @@ def _parse_task(task, cluster) -> tuple[str, int]:
 
 def from_environment(environ: Mapping[str, str] | None = None) -> ClusterSpec | None:
     """Reads the cluster from the environment: TF_CONFIG, else Vertex AI, else Slurm.
+
+    - TF_CONFIG, as Kubeflow's TFJob, Ray Train, Vertex AI and `tf-distrib launch`
+      set it (Vertex AI's extra keys "job" and "cloud", and an evaluator task left
+      out of the cluster, are accepted).
+    - Vertex AI's CLUSTER_SPEC, when TF_CONFIG is absent: worker pool 0 is the chief,
+      1 the workers, 2 parameter servers, 3 the evaluator.
+    - Inside an `srun` step (SLURM_PROCID, SLURM_STEP_NODELIST,
+      SLURM_STEP_TASKS_PER_NODE): one worker per task, at node:8888 + its local task
+      index (TF_DISTRIB_SLURM_PORT_BASE changes 8888), like TF's
+      SlurmClusterResolver. Ranks must fill the nodes in order (Slurm's default
+      block distribution). A batch script outside `srun` is a single process, not
+      a cluster.
 
     Args:
         environ: The environment to read. Defaults to `os.environ`.
@@ -331,7 +345,9 @@ def from_environment(environ: Mapping[str, str] | None = None) -> ClusterSpec | 
     cluster_spec = env.get("CLUSTER_SPEC", "").strip()
     if cluster_spec:
         return _from_vertex_cluster_spec(cluster_spec)
-    if "SLURM_PROCID" in env and ("SLURM_STEP_NODELIST" in env or "SLURM_JOB_NODELIST" in env):
+    # Only an srun step is a cluster: the batch script itself is one process,
+    # although it sees the job's node list.
+    if "SLURM_PROCID" in env and "SLURM_STEP_NODELIST" in env:
         return _from_slurm(env)
     return None
 
@@ -370,21 +386,36 @@ def _from_vertex_cluster_spec(value: str) -> ClusterSpec:
 
 
 def _from_slurm(env: Mapping[str, str]) -> ClusterSpec:
-    nodelist = env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"]
-    tasks_per_node_var = (env.get("SLURM_STEP_TASKS_PER_NODE")
-                          or env.get("SLURM_TASKS_PER_NODE") or "1")
+    nodelist = env["SLURM_STEP_NODELIST"]
+    tasks_per_node = env.get("SLURM_STEP_TASKS_PER_NODE", "1")
     hosts = expand_slurm_nodelist(nodelist)
-    counts = _expand_slurm_counts(tasks_per_node_var)
+    counts = _expand_slurm_counts(tasks_per_node)
     if len(counts) != len(hosts):
         raise ClusterConfigError(
-            f"Slurm: SLURM_STEP_TASKS_PER_NODE={tasks_per_node_var!r} describes {len(counts)} "
+            f"Slurm: SLURM_STEP_TASKS_PER_NODE={tasks_per_node!r} describes {len(counts)} "
             f"node(s) but the node list {nodelist!r} has {len(hosts)}."
         )
     port_base = _int_env(env, "TF_DISTRIB_SLURM_PORT_BASE", SLURM_PORT_BASE)
-    workers = [f"{host}:{port_base + local}" for host, n in zip(hosts, counts, strict=True)
-               for local in range(n)]
+    tasks = [(host, local) for host, n in zip(hosts, counts, strict=True)
+             for local in range(n)]
     rank = _int_env(env, "SLURM_PROCID", 0)
-    return parse_tf_config({"cluster": {"worker": workers},
+    if not 0 <= rank < len(tasks):
+        raise ClusterConfigError(
+            f"Slurm: SLURM_PROCID={rank} but the step has {len(tasks)} task(s) "
+            f"({nodelist!r}, {tasks_per_node!r})."
+        )
+    # Peers can only compute each other's addresses if ranks fill the nodes in
+    # order: Slurm's default block distribution. A cyclic one would make every
+    # worker wait for peers at the wrong address.
+    host, local = tasks[rank]
+    node, local_id = env.get("SLURMD_NODENAME"), env.get("SLURM_LOCALID")
+    if (node is not None and node != host) or (local_id is not None and local_id != str(local)):
+        raise ClusterConfigError(
+            f"Slurm: task {rank} runs on {node}, local task {local_id}, but block "
+            f"distribution puts it on {host}, local task {local}. Launch with "
+            "`srun --distribution=block` (Slurm's default)."
+        )
+    return parse_tf_config({"cluster": {"worker": [f"{h}:{port_base + i}" for h, i in tasks]},
                             "task": {"type": "worker", "index": rank}})
 
 

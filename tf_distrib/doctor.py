@@ -76,14 +76,16 @@ def check(environ=None, devices: bool = True,
                      "make_strategy() uses local devices")
         return lines, problems
     lines.append(f"cluster: {spec.num_workers} training task(s), this task "
-                 f"{spec.task_type}:{spec.task_index} at {spec.address}"
+                 f"{spec.task_type}:{spec.task_index} "
+                 f"{f'at {spec.address}' if spec.address else 'outside the cluster'}"
                  f"{' (chief)' if spec.is_chief else ''}")
     try:
         spec.check_roles_for("MultiWorkerMirroredStrategy")
     except cluster_lib.ClusterConfigError as e:
         problems.append(str(e))
-    port = int(spec.address.rpartition(":")[2])
-    if _port_free(port):
+    if spec.address is None:
+        lines.append("  a side-car evaluator: make_strategy() uses local devices")
+    elif _port_free(port := int(spec.address.rpartition(":")[2])):
         lines.append(f"  port {port}: free")
     else:
         problems.append(f"port {port} of this task is in use: another process (a previous "

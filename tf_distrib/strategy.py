@@ -144,6 +144,7 @@ def make_strategy(cross_device_ops: tf.distribute.CrossDeviceOps | None = None, 
     - A cluster with two or more training tasks (TF_CONFIG, Vertex AI's CLUSTER_SPEC
       or Slurm, in that order) -> `KerasMultiWorkerMirroredStrategy` (MWMS with the
       Keras 3 fixes), NCCL on GPUs and ring collectives on CPU.
+      An "evaluator" task (a side-car outside the collective) gets a local strategy.
     - Otherwise, several local GPUs -> `tf.distribute.MirroredStrategy` (NCCL).
     - Otherwise, several logical CPUs (`use_logical_cpus`) -> `HostMirroredStrategy`,
       a MirroredStrategy with `ReductionToOneDevice` (TF's default, a ring
@@ -197,7 +198,8 @@ def make_strategy(cross_device_ops: tf.distribute.CrossDeviceOps | None = None, 
     if compression is not None or bucket_bytes is not None:
         gradient_reduce = gradients.GradientAllReduce(compression, bucket_bytes)  # validates
     spec = cluster_lib.from_environment() if cluster is None else cluster
-    if spec is not None and spec.num_workers > 1:
+    # An evaluator is a side-car outside the collective: it evaluates on its own devices.
+    if spec is not None and spec.num_workers > 1 and spec.task_type != "evaluator":
         if cross_device_ops is not None:
             raise ValueError(
                 "MultiWorkerMirroredStrategy cannot use a custom cross_device_ops: it only "

@@ -1,0 +1,103 @@
+"""Ray Train: a tf_distrib script on `TensorflowTrainer`, a local Ray cluster, 2 CPU workers."""
+
+import json
+import os
+import threading
+
+import numpy as np
+import pytest
+import ray  # the ray extra, which `make test` installs
+
+from tests._ray_training import train_on_ray
+from tf_distrib.integrations import ray as td_ray
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EPOCHS, SAVE_FREQ, STEPS_PER_EPOCH = 2, 5, 16  # 512 examples, global batch 32
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    # Workers import the training job from tests/.
+    ray.init(num_cpus=2, include_dashboard=False,
+             runtime_env={"env_vars": {"PYTHONPATH": REPO_ROOT}})
+    yield
+    ray.shutdown()
+
+
+def fit(trainer, timeout=240.0):
+    """trainer.fit(), stopped by shutting Ray down if it runs past `timeout`."""
+    outcome = {}
+
+    def run():
+        try:
+            outcome["result"] = trainer.fit()
+        except Exception as e:  # noqa: BLE001 - reported in the main thread
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        ray.shutdown()
+        pytest.fail(f"the Ray run did not finish within {timeout:.0f} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
+def run_training(tmp_path, name, **config):
+    scratch = tmp_path / name
+    scratch.mkdir()
+    trainer = td_ray.make_trainer(
+        train_on_ray, num_workers=2, max_failures=1, storage_path=str(tmp_path / "storage"),
+        name=name, config={"scratch": str(scratch), "epochs": EPOCHS, "save_freq": SAVE_FREQ,
+                           "kill_worker": 1, **config})
+    fit(trainer)
+    results = [json.loads((scratch / f"result_{r}.json").read_text()) for r in (0, 1)]
+    weights = []
+    for rank in (0, 1):
+        with np.load(scratch / f"weights_{rank}.npz") as f:
+            weights.append([f[k] for k in sorted(f.files, key=lambda k: int(k.split("_")[1]))])
+    return results, weights, scratch
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(local_ray, tmp_path_factory):
+    return run_training(tmp_path_factory.mktemp("ray"), "uninterrupted")
+
+
+def test_two_ray_workers_train_in_sync(uninterrupted):
+    results, weights, _ = uninterrupted
+    # Ray gives a worker-only cluster; tf_distrib undid Ray's Keras 2 switch.
+    assert [r["tf_config"]["task"] for r in results] == [
+        {"type": "worker", "index": 0}, {"type": "worker", "index": 1}]
+    assert [r["legacy_keras"] for r in results] == [None, None]
+    assert [r["iterations"] for r in results] == [EPOCHS * STEPS_PER_EPOCH] * 2
+    assert results[0]["run_dir"].endswith("storage/uninterrupted")
+    for w0, w1 in zip(*weights, strict=True):
+        np.testing.assert_array_equal(w0, w1)
+
+
+def test_killed_ray_worker_resumes_from_backup_exactly(uninterrupted, tmp_path):
+    _, reference, _ = uninterrupted
+    kill_at = STEPS_PER_EPOCH + 7  # mid-epoch 2, two steps after the backup at step 20
+    results, weights, scratch = run_training(tmp_path, "killed", kill_at=kill_at)
+    assert (scratch / "killed").exists()
+    # Ray restarted the group (max_failures=1) and both workers resumed from step 20.
+    assert [r["restored_step"] for r in results] == [20, 20]
+    assert [r["iterations"] for r in results] == [EPOCHS * STEPS_PER_EPOCH] * 2
+    for got, want in zip(weights[0], reference[0], strict=True):
+        np.testing.assert_array_equal(got, want)
+    for w0, w1 in zip(*weights, strict=True):
+        np.testing.assert_array_equal(w0, w1)
+
+
+def test_make_trainer_rejects_bad_arguments():
+    with pytest.raises(TypeError, match="train_fn must be callable"):
+        td_ray.make_trainer("train.py")
+    with pytest.raises(ValueError, match="num_workers must be an integer >= 1"):
+        td_ray.make_trainer(train_on_ray, num_workers=0)
+    with pytest.raises(ValueError, match="max_failures must be an integer >= -1"):
+        td_ray.make_trainer(train_on_ray, max_failures=-2)
+    with pytest.raises(ValueError, match="cpus_per_worker must be a number > 0"):
+        td_ray.make_trainer(train_on_ray, cpus_per_worker=0)

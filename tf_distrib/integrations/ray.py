@@ -1,0 +1,155 @@
+"""Run a tf_distrib training function on Ray Train's `TensorflowTrainer`.
+
+Ray starts one actor per worker, gives each a worker-only TF_CONFIG (worker 0 is the
+chief) and, with `FailureConfig(max_failures=N)`, restarts the whole worker group after
+a worker dies. `BackupAndRestore` on the run's storage (`backup_dir()`) lets the
+restarted group resume where the last one stopped, mid-epoch included.
+
+Example:
+
+```python
+import tf_distrib as td
+from tf_distrib.integrations import ray as td_ray
+
+def train(config):
+    strategy = td.make_strategy()          # MultiWorkerMirroredStrategy from Ray's TF_CONFIG
+    with strategy.scope():
+        model = build_model()
+        model.compile(...)
+    dataset = td.data.distribute_dataset(strategy, make_dataset(), 256)
+    model.fit(dataset, epochs=config["epochs"],
+              callbacks=[td.callbacks.BackupAndRestore(td_ray.backup_dir())])
+
+trainer = td_ray.make_trainer(train, num_workers=2, max_failures=1,
+                              storage_path="gs://my-bucket/runs", name="mnist",
+                              config={"epochs": 3})
+trainer.fit()
+```
+
+Needs `pip install "tf_distrib[ray]"`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import posixpath
+from collections.abc import Callable, Mapping
+
+try:
+    import ray.train
+    from ray.train.tensorflow import TensorflowTrainer
+except ImportError as e:  # pragma: no cover - depends on the installed extras
+    raise ImportError(
+        f"tf_distrib.integrations.ray needs Ray Train ({e}). Install it with "
+        "`pip install \"tf_distrib[ray]\"`."
+    ) from e
+
+from tf_distrib._checks import check_int
+from tf_distrib.launch.launcher import ENV_NUM_WORKERS, ENV_WORKER_INDEX
+
+__all__ = ["make_trainer", "prepare_worker", "run_dir", "backup_dir"]
+
+# tf.io.gfile scheme of each pyarrow filesystem Ray may store a run on.
+_GFILE_SCHEMES = {"local": "", "gcs": "gs://", "s3": "s3://"}
+
+
+def prepare_worker() -> None:
+    """Makes this Ray Train worker ready for tf_distrib; call it first in the loop.
+
+    `make_trainer` calls it for you. It undoes Ray's `TF_USE_LEGACY_KERAS=1` (set for
+    Keras 2; with it `tf.keras` fails or is not the Keras 3 tf_distrib trains) and sets
+    `TF_DISTRIB_WORKER_INDEX` / `TF_DISTRIB_NUM_WORKERS` from Ray's ranks, as
+    `tf-distrib launch` does, so the same script runs under both.
+    """
+    os.environ.pop("TF_USE_LEGACY_KERAS", None)
+    context = ray.train.get_context()
+    os.environ[ENV_WORKER_INDEX] = str(context.get_world_rank())
+    os.environ[ENV_NUM_WORKERS] = str(context.get_world_size())
+
+
+def run_dir() -> str:
+    """This Ray Train run's directory on its storage, as a tf.io.gfile path.
+
+    That is `RunConfig(storage_path=...)/<run name>`, shared by every worker and kept
+    across restarts of the worker group: the place for backups and the final model.
+
+    Raises:
+        ValueError: when the storage is a filesystem TensorFlow cannot write (only
+            local or shared paths, gs:// and s3:// map to TensorFlow paths).
+    """
+    storage = ray.train.get_context().get_storage()
+    filesystem = storage.storage_filesystem.type_name
+    if filesystem not in _GFILE_SCHEMES:
+        raise ValueError(
+            f"Ray stores this run on a '{filesystem}' filesystem, which has no "
+            "tf.io.gfile path. Use a local or shared path, gs:// or s3:// as "
+            "RunConfig(storage_path=...), or give BackupAndRestore a directory yourself."
+        )
+    return _GFILE_SCHEMES[filesystem] + storage.experiment_fs_path
+
+
+def backup_dir(name: str = "tf_distrib_backup") -> str:
+    """A directory for `callbacks.BackupAndRestore` on the run's storage.
+
+    Every worker of the run and every restarted worker group gets the same path, so
+    a group that Ray restarts resumes from the last backup.
+
+    Args:
+        name: Subdirectory of `run_dir()`. Defaults to "tf_distrib_backup".
+    """
+    if not isinstance(name, str) or not name or "/" in name:
+        raise ValueError(f"backup_dir name must be a non-empty folder name, got {name!r}.")
+    return posixpath.join(run_dir(), name)
+
+
+def make_trainer(train_fn: Callable, *, num_workers: int = 2, cpus_per_worker: float = 1,
+                 use_gpu: bool = False, max_failures: int = 0,
+                 storage_path: str | None = None, name: str | None = None,
+                 config: Mapping | None = None) -> TensorflowTrainer:
+    """A Ray Train `TensorflowTrainer` that runs `train_fn` in every worker.
+
+    Args:
+        train_fn: The training function: no argument, or one (the `config` dict).
+            It runs after `prepare_worker()`; Ray discards its return value.
+        num_workers: Ray actors, one MultiWorkerMirroredStrategy worker each.
+            Defaults to 2.
+        cpus_per_worker: CPUs Ray reserves per worker. Defaults to 1.
+        use_gpu: Reserve one GPU per worker. Defaults to False.
+        max_failures: How many times Ray restarts the worker group after a worker
+            fails (-1: without limit). Defaults to 0.
+        storage_path: Where Ray keeps the run (a path every node shares, gs://, s3://).
+            Defaults to None: Ray's default, ~/ray_results, fine on one machine.
+        name: The run's name, its folder under `storage_path`. Use the same name to
+            resume a run. Defaults to None: a new name from Ray.
+        config: Passed to `train_fn`. Defaults to None: an empty dict.
+
+    Returns:
+        The trainer; `trainer.fit()` runs it and raises if the run fails.
+    """
+    if not callable(train_fn):
+        raise TypeError(f"train_fn must be callable, got {type(train_fn).__name__}.")
+    takes_config = bool(inspect.signature(train_fn).parameters)
+    check_int("num_workers", num_workers, minimum=1)
+    check_int("max_failures", max_failures, minimum=-1)
+    if isinstance(cpus_per_worker, bool) or not cpus_per_worker > 0:
+        raise ValueError(f"cpus_per_worker must be a number > 0, got {cpus_per_worker!r}.")
+    resources = {"CPU": cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
+    return TensorflowTrainer(
+        functools.partial(_run_worker, train_fn, takes_config),
+        train_loop_config=dict(config or {}),
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=num_workers, use_gpu=use_gpu, resources_per_worker=resources),
+        run_config=ray.train.RunConfig(
+            name=name, storage_path=storage_path,
+            failure_config=ray.train.FailureConfig(max_failures=max_failures)),
+    )
+
+
+def _run_worker(train_fn: Callable, takes_config: bool, config: dict) -> None:
+    prepare_worker()
+    if takes_config:
+        train_fn(config)
+    else:
+        train_fn()

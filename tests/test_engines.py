@@ -187,8 +187,11 @@ def test_slurm_errors_name_the_fix():
 
 # --- Two real processes per engine ----------------------------------------------------
 
-def run_processes(envs, tmp_path, timeout=180.0):
-    """Runs tests._engine_job once per environment; returns each worker's report."""
+def run_processes(envs, tmp_path, command=None, timeout=180.0):
+    """Runs `command` (default: tests._engine_job) once per environment.
+
+    Returns each worker's report (tests._engine_job), or None for other commands.
+    """
     base = {k: v for k, v in os.environ.items()
             if k not in ("TF_CONFIG", "CLUSTER_SPEC") and not k.startswith("SLURM")}
     base.update(PYTHONPATH=REPO_ROOT, TF_CPP_MIN_LOG_LEVEL="2", TF_DISTRIB_STARTUP_TIMEOUT="90")
@@ -196,8 +199,8 @@ def run_processes(envs, tmp_path, timeout=180.0):
     for i, env in enumerate(envs):
         log = open(tmp_path / f"worker{i}.log", "wb")
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "tests._engine_job", str(tmp_path / f"worker{i}.json"),
-             str(tmp_path / "backup")],
+            command or [sys.executable, "-m", "tests._engine_job",
+                        str(tmp_path / f"worker{i}.json"), str(tmp_path / "backup")],
             env={**base, **env}, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
             start_new_session=True))
         log.close()
@@ -213,6 +216,8 @@ def run_processes(envs, tmp_path, timeout=180.0):
                 p.wait()
     logs = [(tmp_path / f"worker{i}.log").read_text()[-3000:] for i in range(len(envs))]
     assert codes == [0] * len(envs), f"exit codes {codes}:\n" + "\n".join(logs)
+    if command:
+        return None
     return [json.loads((tmp_path / f"worker{i}.json").read_text()) for i in range(len(envs))]
 
 
@@ -265,3 +270,53 @@ def test_slurm_two_tasks_on_one_node_train(tmp_path):
     reports = run_processes([slurm_env(["127.0.0.1"], 2, r, port_base=base) for r in (0, 1)],
                             tmp_path)
     check_trained_together(reports, [("worker", 0), ("worker", 1)])
+
+
+# --- The example script and the engines' files in examples/ --------------------------
+
+EXAMPLES = os.path.join(REPO_ROOT, "examples")
+
+
+def test_example_script_trains_under_slurm_and_the_chief_saves_the_model(tmp_path):
+    import keras
+
+    command = [sys.executable, os.path.join(EXAMPLES, "train.py"), "--backup-dir",
+               str(tmp_path / "backup"), "--model-dir", str(tmp_path / "model"),
+               "--epochs", "1", "--examples", "2048"]
+    base = consecutive_free_ports(2)
+    run_processes([slurm_env(["127.0.0.1"], 2, r, port_base=base) for r in (0, 1)],
+                  tmp_path, command=command)
+    model = keras.saving.load_model(tmp_path / "model" / "model.keras")
+    assert model.count_params() == 16 * 64 + 64 + 64 * 64 + 64 + 64 * 4 + 4
+
+
+def test_ray_example_runs_the_same_script(tmp_path):
+    done = subprocess.run(
+        [sys.executable, os.path.join(EXAMPLES, "ray_train.py"), "--max-failures", "0",
+         "--storage-path", str(tmp_path), "--name", "example", "--epochs", "1",
+         "--examples", "2048"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (tmp_path / "example" / "model.keras").exists()
+    assert (tmp_path / "example" / "tf_distrib_backup").is_dir()
+
+
+def test_engine_files_describe_the_example_job():
+    import yaml
+
+    tfjob = yaml.safe_load(open(os.path.join(EXAMPLES, "tfjob.yaml")))
+    assert tfjob["kind"] == "TFJob"
+    replicas = tfjob["spec"]["tfReplicaSpecs"]
+    assert {k: v["replicas"] for k, v in replicas.items()} == {"Chief": 1, "Worker": 2}
+    for spec in replicas.values():
+        assert spec["restartPolicy"] == "OnFailure"
+        [container] = spec["template"]["spec"]["containers"]
+        assert container["name"] == "tensorflow" and "examples/train.py" in container["command"]
+    vertex = yaml.safe_load(open(os.path.join(EXAMPLES, "vertex_job.yaml")))
+    pools = vertex["workerPoolSpecs"]
+    assert [p["replicaCount"] for p in pools] == [1, 2]
+    assert all("examples/train.py" in p["containerSpec"]["command"] for p in pools)
+    sbatch = open(os.path.join(EXAMPLES, "train.sbatch")).read()
+    assert "srun --kill-on-bad-exit=1 python examples/train.py" in sbatch
+    assert subprocess.run(["bash", "-n", os.path.join(EXAMPLES, "train.sbatch")]).returncode == 0

@@ -101,3 +101,13 @@ def test_make_trainer_rejects_bad_arguments():
         td_ray.make_trainer(train_on_ray, max_failures=-2)
     with pytest.raises(ValueError, match="cpus_per_worker must be a number > 0"):
         td_ray.make_trainer(train_on_ray, cpus_per_worker=0)
+
+
+def test_run_storage_maps_to_tensorflow_paths():
+    assert td_ray._gfile_path("local", "/runs/a") == "/runs/a"
+    assert td_ray._gfile_path("gcs", "bucket/runs/a") == "gs://bucket/runs/a"
+    assert td_ray._gfile_path("s3", "bucket/runs/a") == "s3://bucket/runs/a"
+    with pytest.raises(ValueError, match="'py::fsspec\\+memory' filesystem.*gs://"):
+        td_ray._gfile_path("py::fsspec+memory", "runs/a")
+    with pytest.raises(ValueError, match="non-empty folder name"):
+        td_ray.backup_dir("a/b")

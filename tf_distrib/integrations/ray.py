@@ -78,16 +78,20 @@ def run_dir() -> str:
     Raises:
         ValueError: when the storage is a filesystem TensorFlow cannot write (only
             local or shared paths, gs:// and s3:// map to TensorFlow paths).
+        RuntimeError: (from Ray) outside a Ray Train training function.
     """
     storage = ray.train.get_context().get_storage()
-    filesystem = storage.storage_filesystem.type_name
+    return _gfile_path(storage.storage_filesystem.type_name, storage.experiment_fs_path)
+
+
+def _gfile_path(filesystem: str, path: str) -> str:
     if filesystem not in _GFILE_SCHEMES:
         raise ValueError(
             f"Ray stores this run on a '{filesystem}' filesystem, which has no "
             "tf.io.gfile path. Use a local or shared path, gs:// or s3:// as "
             "RunConfig(storage_path=...), or give BackupAndRestore a directory yourself."
         )
-    return _GFILE_SCHEMES[filesystem] + storage.experiment_fs_path
+    return _GFILE_SCHEMES[filesystem] + path
 
 
 def backup_dir(name: str = "tf_distrib_backup") -> str:

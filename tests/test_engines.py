@@ -187,10 +187,11 @@ def test_slurm_errors_name_the_fix():
 
 # --- Two real processes per engine ----------------------------------------------------
 
-def run_processes(envs, tmp_path, command=None, timeout=180.0):
+def start_and_wait(envs, tmp_path, command=None, timeout=180.0):
     """Runs `command` (default: tests._engine_job) once per environment.
 
-    Returns each worker's report (tests._engine_job), or None for other commands.
+    Returns the exit codes (None for a process still running at `timeout`, then
+    killed) and the end of each worker's output.
     """
     base = {k: v for k, v in os.environ.items()
             if k not in ("TF_CONFIG", "CLUSTER_SPEC") and not k.startswith("SLURM")}
@@ -205,16 +206,26 @@ def run_processes(envs, tmp_path, command=None, timeout=180.0):
             start_new_session=True))
         log.close()
     deadline = time.monotonic() + timeout
-    try:
-        codes = [p.wait(timeout=max(0.1, deadline - time.monotonic())) for p in procs]
-    except subprocess.TimeoutExpired:
-        codes = None
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    codes = [p.poll() for p in procs]
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
     logs = [(tmp_path / f"worker{i}.log").read_text()[-3000:] for i in range(len(envs))]
+    return codes, logs
+
+
+def run_processes(envs, tmp_path, command=None, timeout=180.0):
+    """`start_and_wait`, checking that every worker exits with 0.
+
+    Returns each worker's report (tests._engine_job), or None for other commands.
+    """
+    codes, logs = start_and_wait(envs, tmp_path, command, timeout)
     assert codes == [0] * len(envs), f"exit codes {codes}:\n" + "\n".join(logs)
     if command:
         return None
@@ -241,6 +252,32 @@ def test_tfjob_chief_and_worker_train(tmp_path):
     reports = run_processes([tfjob_env(replicas, "chief", 0, address),
                              tfjob_env(replicas, "worker", 0, address)], tmp_path)
     check_trained_together(reports, [("chief", 0), ("worker", 0)])
+
+
+def test_tfjob_restart_model_survivor_exits_and_rerun_resumes(tmp_path):
+    """TFJob's OnFailure restarts only failed pods: the survivors must fail by themselves."""
+    p = free_ports(2)
+    address = loopback({"chief": [p[0]], "worker": [p[1]]})
+    replicas = {"chief": 1, "worker": 1}
+    envs = [tfjob_env(replicas, "chief", 0, address), tfjob_env(replicas, "worker", 0, address)]
+    # 3 epochs of 8 steps, a backup every 10 steps; the worker SIGKILLs itself at step 15.
+    job = {"ENGINE_JOB_EPOCHS": "3", "ENGINE_JOB_KILL_AT": "15"}
+    first = [{**env, **job, "TF_DISTRIB_ATTEMPT": "0", "TF_DISTRIB_WORKER_INDEX": str(i)}
+             for i, env in enumerate(envs)]
+    start = time.monotonic()
+    codes, logs = start_and_wait(first, tmp_path, timeout=120)
+    assert codes[1] == -signal.SIGKILL, logs[1]
+    # The chief was not told: TF's heartbeat finds the dead peer (about 10 s) and
+    # the chief exits non-zero, so Kubernetes restarts its pod too.
+    assert codes[0] not in (0, None), logs[0]
+    assert "unhealthy" in logs[0] or "Collective ops is aborted" in logs[0], logs[0]
+    assert time.monotonic() - start < 100
+    # The restarted pods keep their names (here: addresses) and resume from the backup.
+    rerun = [{**env, "ENGINE_JOB_EPOCHS": "3", "TF_DISTRIB_ATTEMPT": "1"} for env in envs]
+    reports = run_processes(rerun, tmp_path)
+    assert [r["restored_step"] for r in reports] == [10, 10]
+    assert {r["iterations"] for r in reports} == {24}
+    assert reports[0]["weights_sha256"] == reports[1]["weights_sha256"]
 
 
 def test_vertex_chief_and_worker_train(tmp_path):

@@ -101,6 +101,8 @@ def test_make_trainer_rejects_bad_arguments():
         td_ray.make_trainer(train_on_ray, max_failures=-2)
     with pytest.raises(ValueError, match="cpus_per_worker must be a number > 0"):
         td_ray.make_trainer(train_on_ray, cpus_per_worker=0)
+    with pytest.raises(ValueError, match="cpus_per_worker must be a number > 0, got '2'"):
+        td_ray.make_trainer(train_on_ray, cpus_per_worker="2")
 
 
 def test_run_storage_maps_to_tensorflow_paths():

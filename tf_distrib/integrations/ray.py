@@ -137,7 +137,8 @@ def make_trainer(train_fn: Callable, *, num_workers: int = 2, cpus_per_worker: f
     takes_config = bool(inspect.signature(train_fn).parameters)
     check_int("num_workers", num_workers, minimum=1)
     check_int("max_failures", max_failures, minimum=-1)
-    if isinstance(cpus_per_worker, bool) or not cpus_per_worker > 0:
+    if (isinstance(cpus_per_worker, bool) or not isinstance(cpus_per_worker, (int, float))
+            or not cpus_per_worker > 0):
         raise ValueError(f"cpus_per_worker must be a number > 0, got {cpus_per_worker!r}.")
     resources = {"CPU": cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
     return TensorflowTrainer(

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 import tensorflow as tf
 
 from tf_distrib._checks import check_int
+from tf_distrib._iterator_reaper import reap_iterators
 
 __all__ = ["distribute_dataset", "per_replica_batch_size", "shard_files",
            "tfds_source", "TFDSSource", "SHARD_POLICIES"]
@@ -241,6 +242,8 @@ def distribute_dataset(strategy: tf.distribute.Strategy,
 
     dataset = strategy.distribute_datasets_from_function(dataset_fn)
     _count_steps_not_batches(dataset, local)
+    if isinstance(dataset, tf.distribute.DistributedDataset):
+        reap_iterators(dataset)
     dataset.steps_per_epoch = plan.steps
     if plan.steps is None:
         # The default strategy returns a plain tf.data.Dataset (cardinality a method).

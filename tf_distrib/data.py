@@ -153,7 +153,9 @@ def distribute_dataset(strategy: tf.distribute.Strategy,
     (in-memory datasets, file lists, TFDS) are cut to the steps that every pipeline
     can fill, so MultiWorkerMirroredStrategy's collectives never mismatch. Examples
     left over are dropped and reported in the result's `dropped_examples`
-    (`steps_per_epoch` holds the step count; both None when unknown).
+    (`steps_per_epoch` holds the step count; both None when unknown). Iterators
+    that nothing uses any more are destroyed on a background thread: TF's
+    distributed iterators can take seconds to destroy, and `fit` drops them each epoch.
 
     Shard policies:
 

@@ -1,9 +1,6 @@
 """Sharding: every id exactly once per epoch (minus the reported remainder)."""
 
 import collections
-import threading
-import time
-import weakref
 
 import numpy as np
 import pytest
@@ -158,23 +155,6 @@ def test_shuffled_epochs_are_permutations_and_reproducible():
     assert len(set(first)) == len(first) and len(set(second)) == len(second)
     assert two_epochs(seed=7) == (first, second)
     assert two_epochs(seed=8)[0] != first
-
-
-def test_dropped_iterators_are_destroyed_off_the_training_thread():
-    # TF's distributed iterators can take seconds to destroy; fit drops one per epoch.
-    strategy = td.make_strategy()
-    dataset = td.data.distribute_dataset(strategy, tf.data.Dataset.range(256), 32)
-    destroyed_on = []
-    for _ in range(2):  # a second epoch's iterator, as Keras creates them
-        iterator = iter(dataset)
-        next(iterator)
-        weakref.finalize(iterator, lambda: destroyed_on.append(threading.current_thread().name))
-    del iterator
-    deadline = time.monotonic() + 10
-    while len(destroyed_on) < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert destroyed_on == ["tf_distrib-reaper"] * 2
-    assert list(dataset) and dataset.steps_per_epoch == 8  # still a working dataset
 
 
 def test_per_replica_batch_size():

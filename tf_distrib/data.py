@@ -27,7 +27,6 @@ from collections.abc import Callable, Sequence
 import tensorflow as tf
 
 from tf_distrib._checks import check_int
-from tf_distrib._iterator_reaper import reap_iterators
 
 __all__ = ["distribute_dataset", "per_replica_batch_size", "shard_files",
            "tfds_source", "TFDSSource", "SHARD_POLICIES"]
@@ -153,9 +152,7 @@ def distribute_dataset(strategy: tf.distribute.Strategy,
     (in-memory datasets, file lists, TFDS) are cut to the steps that every pipeline
     can fill, so MultiWorkerMirroredStrategy's collectives never mismatch. Examples
     left over are dropped and reported in the result's `dropped_examples`
-    (`steps_per_epoch` holds the step count; both None when unknown). Iterators
-    that nothing uses any more are destroyed on a background thread: TF's
-    distributed iterators can take seconds to destroy, and `fit` drops them each epoch.
+    (`steps_per_epoch` holds the step count; both None when unknown).
 
     Shard policies:
 
@@ -244,8 +241,6 @@ def distribute_dataset(strategy: tf.distribute.Strategy,
 
     dataset = strategy.distribute_datasets_from_function(dataset_fn)
     _count_steps_not_batches(dataset, local)
-    if isinstance(dataset, tf.distribute.DistributedDataset):
-        reap_iterators(dataset)
     dataset.steps_per_epoch = plan.steps
     if plan.steps is None:
         # The default strategy returns a plain tf.data.Dataset (cardinality a method).

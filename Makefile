@@ -18,11 +18,11 @@ demo: $(INSTALLED)
 	$(VENV)/bin/tf-distrib demo
 
 test: $(INSTALLED)
-	$(VENV)/bin/ruff check tf_distrib tests
+	$(VENV)/bin/ruff check tf_distrib tests examples
 	$(PY) -m pytest -q
 
 bench: $(INSTALLED)
 	$(VENV)/bin/tf-distrib bench
 
 lint: $(INSTALLED)
-	$(VENV)/bin/ruff check tf_distrib tests
+	$(VENV)/bin/ruff check tf_distrib tests examples

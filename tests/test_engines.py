@@ -245,21 +245,22 @@ def loopback(ports):
     return lambda role, i: f"127.0.0.1:{ports[role][i]}"
 
 
-def test_tfjob_chief_and_worker_train(tmp_path):
+def tfjob_chief_and_worker_on_loopback():
+    """The two pods' environments of a TFJob with one chief and one worker."""
     p = free_ports(2)
     address = loopback({"chief": [p[0]], "worker": [p[1]]})
     replicas = {"chief": 1, "worker": 1}
-    reports = run_processes([tfjob_env(replicas, "chief", 0, address),
-                             tfjob_env(replicas, "worker", 0, address)], tmp_path)
+    return [tfjob_env(replicas, "chief", 0, address), tfjob_env(replicas, "worker", 0, address)]
+
+
+def test_tfjob_chief_and_worker_train(tmp_path):
+    reports = run_processes(tfjob_chief_and_worker_on_loopback(), tmp_path)
     check_trained_together(reports, [("chief", 0), ("worker", 0)])
 
 
 def test_tfjob_restart_model_survivor_exits_and_rerun_resumes(tmp_path):
     """TFJob's OnFailure restarts only failed pods: the survivors must fail by themselves."""
-    p = free_ports(2)
-    address = loopback({"chief": [p[0]], "worker": [p[1]]})
-    replicas = {"chief": 1, "worker": 1}
-    envs = [tfjob_env(replicas, "chief", 0, address), tfjob_env(replicas, "worker", 0, address)]
+    envs = tfjob_chief_and_worker_on_loopback()
     # 3 epochs of 8 steps, a backup every 10 steps; the worker SIGKILLs itself at step 15.
     job = {"ENGINE_JOB_EPOCHS": "3", "ENGINE_JOB_KILL_AT": "15"}
     first = [{**env, **job, "TF_DISTRIB_ATTEMPT": "0", "TF_DISTRIB_WORKER_INDEX": str(i)}

@@ -165,7 +165,24 @@ def compressed_mwms_job(compression, bucket_bytes):
     dataset = td.data.distribute_dataset(
         strategy, tf.data.Dataset.from_tensor_slices(make_data(2048)), 64)
     history = model.fit(dataset, epochs=3, verbose=0)
-    return {"loss": history.history["loss"], "weights": [w.numpy() for w in model.weights]}
+    return {"loss": history.history["loss"], "weights": [w.numpy() for w in model.weights],
+            "sent": gradient_collectives(strategy, model)}
+
+
+def gradient_collectives(strategy, model):
+    """(dtype, elements) of each collective the gradient path issues, in launch order."""
+    import tensorflow as tf
+
+    from tf_distrib.cross_device import gradients
+
+    reduce = getattr(strategy, gradients.STRATEGY_ATTRIBUTE, None)
+    if reduce is None:
+        return None
+    step = tf.function(lambda: strategy.run(
+        lambda: reduce([tf.identity(w) for w in model.trainable_weights])))
+    return [(op.inputs[0].dtype.name, op.inputs[0].shape.num_elements())
+            for op in step.get_concrete_function().graph.get_operations()
+            if op.type == "CollectiveReduceV2"]
 
 
 def test_mwms_gradient_compression_keeps_workers_in_sync():
@@ -181,6 +198,11 @@ def test_mwms_gradient_compression_keeps_workers_in_sync():
         assert abs(a["loss"][-1] - default) <= 0.25 * default, args
     # Compression changed the arithmetic: the hook really ran.
     assert runs[("bf16", 4096)][0]["loss"] != runs[(None, None)][0]["loss"]
+    # One collective per bucket, the last layer's first (weights 1024, 64, 4096, 64, 256, 4
+    # floats; 4096-byte buckets); without bucket_bytes the small gradients share one.
+    assert runs[("bf16", 4096)][0]["sent"] == [("bfloat16", 324), ("bfloat16", 4096),
+                                                ("bfloat16", 64), ("bfloat16", 1024)]
+    assert runs[("fp16", None)][0]["sent"] == [("float16", 5508)]
 
 
 def test_compressors_round_trip_within_their_bounds():
@@ -196,6 +218,27 @@ def test_compressors_round_trip_within_their_bounds():
     np.testing.assert_array_equal(huge.numpy(), [65504, -65504, 3])  # saturates, no inf
     ints, ctx = CastCompressor("bfloat16").compress(tf.constant([1, 2]))
     assert ints.dtype == tf.int32 and ctx is None
+
+
+def test_compressor_casts_are_bitwise_tf_cast():
+    # XLA compiles the casts of dense tensors; they must round exactly as tf.cast does.
+    rng = np.random.default_rng(3)
+    special = [0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40, -1e-40, 1.0 + 2.0 ** -8,
+               1.0 + 3 * 2.0 ** -8, 65504.0, 65519.0, 3.4e38]  # ties, denormals, edges
+    x = tf.constant(np.concatenate([rng.standard_normal(10_000) * 1e3, special]), tf.float32)
+    for dtype in (tf.bfloat16, tf.float16):
+        compressor = CastCompressor(dtype.name)
+        clipped = tf.clip_by_value(x, -65504, 65504) if dtype == tf.float16 else x
+        compressed, ctx = compressor.compress(x)
+        np.testing.assert_array_equal(tf.bitcast(compressed, tf.uint16),
+                                      tf.bitcast(tf.cast(clipped, dtype), tf.uint16))
+        np.testing.assert_array_equal(tf.bitcast(compressor.decompress(compressed, ctx),
+                                                 tf.uint32),
+                                      tf.bitcast(tf.cast(compressed, tf.float32), tf.uint32))
+    # Shapes known only at run time (IndexedSlices values) keep TF's own kernel.
+    unknown = tf.function(lambda t: CastCompressor("bfloat16").compress(t)[0],
+                          input_signature=[tf.TensorSpec([None], tf.float32)])
+    np.testing.assert_array_equal(unknown(x[:100]), tf.cast(x[:100], tf.bfloat16))
 
 
 @pytest.mark.parametrize("make, error, message", [

@@ -157,6 +157,24 @@ def test_shuffled_epochs_are_permutations_and_reproducible():
     assert two_epochs(seed=8)[0] != first
 
 
+def test_iterators_run_without_autotuning_threads():
+    # Destroying an iterator waits for its autotuning thread (seconds in TF 2.21): Keras
+    # fit drops one or two per epoch, so neither the pipelines nor TF's per-device
+    # buffers behind them may run one. Reaches into TF's iterator: if TF changes its
+    # layout, this fails, and the fix in tf_distrib/_input_stalls.py needs a look.
+    strategy = td.make_strategy()
+    for autotune in (False, True):
+        dataset = td.data.distribute_dataset(strategy, tf.data.Dataset.range(N), GLOBAL_BATCH,
+                                             autotune=autotune)
+        iterator = iter(dataset)
+        next(iterator)
+        for worker in iterator._iterators:
+            assert (worker._dataset.options().autotune.enabled is not False) == autotune
+            buffers = worker._iterator._device_iterators
+            assert len(buffers) == LOGICAL_CPUS
+            assert all(b._dataset.options().autotune.enabled is False for b in buffers)
+
+
 def test_per_replica_batch_size():
     strategy = td.make_strategy()
     assert td.data.per_replica_batch_size(strategy, 64) == 16

@@ -17,6 +17,8 @@ from tf_distrib.cross_device.compression import Compressor, get_compressor
 
 # Attribute of a strategy holding its GradientAllReduce.
 STRATEGY_ATTRIBUTE = "_tf_distrib_gradient_all_reduce"
+# Without bucket_bytes, small gradients of a dtype share one bucket (as TF packs them).
+_ONE_BUCKET_BYTES = 2**62
 
 
 class GradientAllReduce:
@@ -24,8 +26,9 @@ class GradientAllReduce:
 
     Args:
         compression: "bf16", "fp16", "none" or a `Compressor`. Defaults to None (none).
-        bucket_bytes: Largest bucket in bytes; None sends each gradient on its own.
-            Defaults to None.
+        bucket_bytes: Largest bucket in bytes. Gradients of `bucketing.ALONE_FROM_BYTES`
+            or more always travel alone. Defaults to None: all smaller gradients of one
+            dtype share one bucket, as TF's own all-reduce packs them.
     """
 
     def __init__(self, compression: str | Compressor | None = None,
@@ -38,7 +41,6 @@ class GradientAllReduce:
     def __call__(self, grads: list) -> list:
         """All-reduces `grads` (SUM) in replica context; same structure out."""
         context = tf.distribute.get_replica_context()
-        n = context.num_replicas_in_sync
         results = list(grads)
         sparse = [i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
         dense = [i for i, g in enumerate(grads) if not isinstance(g, tf.IndexedSlices)]
@@ -48,29 +50,33 @@ class GradientAllReduce:
                 results[i] = g
         if not dense:
             return results
-        # Pack first, then compress each bucket once: one cast per bucket, not per tensor.
-        # With float16 each replica sends g / n so the sum stays in range.
-        prescale = self.compressor.prescale
         values = [grads[i] for i in dense]
-        plan = (bucketing.plan_buckets(values, self.bucket_bytes) if self.bucket_bytes
-                else [[k] for k in range(len(values))])
-        sent, contexts = [], []
-        for members in plan:
-            flat = bucketing.pack([values[k] for k in members])
-            if prescale and flat.dtype.is_floating:
-                flat = flat * tf.cast(1.0 / n, flat.dtype)
-            flat, ctx = self.compressor.compress(flat)
-            sent.append(flat)
-            contexts.append(ctx)
-        reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, sent)
-        for members, flat, ctx in zip(plan, reduced, contexts, strict=True):
-            flat = self.compressor.decompress(flat, ctx)
-            if prescale and flat.dtype.is_floating:
-                flat = flat * tf.cast(n, flat.dtype)
-            parts = bucketing.unpack(flat, [values[k] for k in members])
-            for k, part in zip(members, parts, strict=True):
+        # TF's batch all-reduce concatenates every tensor of one call into a single
+        # collective (`bytes_per_pack=0`), so each bucket gets a call of its own: no
+        # extra copy, and a bucket is sent as soon as its gradients exist. Buckets go
+        # last layer first, the order backward computes them in, because TF launches
+        # the collectives of one device in call order.
+        plan = bucketing.plan_buckets(values, self.bucket_bytes or _ONE_BUCKET_BYTES)
+        for members in reversed(plan):
+            reduced = self._reduce_bucket(context, [values[k] for k in members])
+            for k, part in zip(members, reduced, strict=True):
                 results[dense[k]] = part
         return results
+
+    def _reduce_bucket(self, context, tensors: list) -> list:
+        """Packs, compresses, sums across replicas and unpacks one bucket."""
+        n = context.num_replicas_in_sync
+        # With float16 each replica sends g / n so the sum stays in range.
+        prescale = self.compressor.prescale and tensors[0].dtype.is_floating
+        flat = bucketing.pack(tensors)
+        if prescale:
+            flat = flat * tf.cast(1.0 / n, flat.dtype)
+        flat, ctx = self.compressor.compress(flat)
+        flat = context.all_reduce(tf.distribute.ReduceOp.SUM, flat)
+        flat = self.compressor.decompress(flat, ctx)
+        if prescale:
+            flat = flat * tf.cast(n, flat.dtype)
+        return bucketing.unpack(flat, tensors)
 
 
 def install() -> None:

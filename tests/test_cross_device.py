@@ -220,6 +220,16 @@ def test_compressors_round_trip_within_their_bounds():
     assert ints.dtype == tf.int32 and ctx is None
 
 
+def test_backward_buckets_are_consecutive_last_layer_first():
+    from tf_distrib.cross_device.bucketing import plan_backward_buckets
+
+    tensors = [tf.zeros([100]), tf.zeros([10]), tf.zeros([10], tf.float16),
+               tf.zeros([10], tf.float16), tf.zeros([300]), tf.zeros([5])]
+    # 400-byte buckets: one dtype each; a 1200-byte tensor travels alone.
+    assert plan_backward_buckets(tensors, 400) == [[5], [4], [2, 3], [1], [0]]
+    assert plan_backward_buckets(tensors, 2000) == [[4, 5], [2, 3], [0, 1]]
+
+
 def test_compressor_casts_are_bitwise_tf_cast():
     # XLA compiles the casts of dense tensors; they must round exactly as tf.cast does.
     rng = np.random.default_rng(3)

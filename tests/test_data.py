@@ -67,6 +67,13 @@ def collect_ids(file_dir, tfds_dir=None):
                                               shard_policy=policy, reader=read_ids)
             seen[(name, policy)] = (epoch_ids(strategy, dist), dist.steps_per_epoch,
                                     dist.dropped_examples)
+    # repeat=True: one iterator, and every steps_per_epoch steps are one whole epoch.
+    for name, source, _ in list(sources(pathlib.Path(file_dir)))[:2]:
+        dist = td.data.distribute_dataset(strategy, source, GLOBAL_BATCH, reader=read_ids,
+                                          shuffle_buffer=N, repeat=True)
+        for epoch, ids in enumerate(repeated_epochs(strategy, dist, 2)):
+            seen[(f"{name}, repeated, epoch {epoch}", "auto")] = (
+                ids, dist.steps_per_epoch, dist.dropped_examples)
     if tfds_dir:
         source = td.data.tfds_source("tf_distrib_blobs", "test", data_dir=tfds_dir,
                                      as_supervised=False)
@@ -78,6 +85,19 @@ def collect_ids(file_dir, tfds_dir=None):
                 ids += np.asarray(replica).tolist()
         seen[("tfds", "auto")] = (ids, dist.steps_per_epoch, dist.dropped_examples)
     return seen
+
+
+def repeated_epochs(strategy, dataset, epochs):
+    """Ids this process's replicas see in each of `epochs` epochs of one iterator."""
+    iterator = iter(dataset)
+    out = []
+    for _ in range(epochs):
+        ids = []
+        for _ in range(dataset.steps_per_epoch):
+            for replica_batch in strategy.experimental_local_results(next(iterator)):
+                ids += np.asarray(replica_batch).ravel().tolist()
+        out.append(ids)
+    return out
 
 
 def assert_exactly_once(ids, steps, dropped, total=N, max_dropped=GLOBAL_BATCH):
@@ -127,6 +147,8 @@ def test_exactly_once_across_two_workers(file_dir, tfds_dir):
         limit = N if key == ("3 files", "file") else GLOBAL_BATCH
         assert_exactly_once(ids_a + ids_b, steps, dropped, total, limit)
     assert a[("3 files", "file")][2] == N - 2 * (276 // 16) * 16
+    # Repeated epochs are reshuffled.
+    assert a[("memory, repeated, epoch 0", "auto")] != a[("memory, repeated, epoch 1", "auto")]
     output = "".join(workers[0].output)
     assert "Whole-file sharding of 3 files over 2 pipelines" in output
     assert "Whole-file sharding of 8 files" not in output
@@ -231,6 +253,9 @@ def test_drop_remainder_false_with_one_replica():
      ValueError, "drop_remainder=False needs a single replica"),
     (lambda s, f: td.data.distribute_dataset(s, np.arange(8), 8),
      TypeError, "source must be"),
+    (lambda s, f: td.data.distribute_dataset(s, lambda ctx: tf.data.Dataset.range(8), 8,
+                                             repeat=True),
+     ValueError, "repeat=True needs an epoch length"),
 ])
 def test_bad_input(file_dir, make_call, error, message):
     with pytest.raises(error, match=message):

@@ -146,7 +146,7 @@ def distribute_dataset(strategy: tf.distribute.Strategy,
                        shuffle_buffer: int | None = None, seed: int | None = None,
                        drop_remainder: bool = True,
                        reader: Callable[[str], tf.data.Dataset] = tf.data.TFRecordDataset,
-                       prefetch: int = tf.data.AUTOTUNE,
+                       prefetch: int = tf.data.AUTOTUNE, repeat: bool = False,
                        autotune: bool = False) -> tf.distribute.DistributedDataset:
     """Shards, shuffles, batches and prefetches `source` for `strategy`'s `model.fit`.
 
@@ -187,6 +187,13 @@ def distribute_dataset(strategy: tf.distribute.Strategy,
         reader: For file sources, a function from one path to a dataset of its records.
             Defaults to `tf.data.TFRecordDataset`.
         prefetch: Batches to prefetch. Defaults to `tf.data.AUTOTUNE`.
+        repeat: Repeat the epoch without end, for
+            `model.fit(dist, steps_per_epoch=dist.steps_per_epoch, epochs=...)`: every
+            `steps_per_epoch` steps are one epoch, each example once (reshuffled when
+            shuffling). Keras then keeps one iterator for the whole `fit`; otherwise it
+            builds up to two per epoch, ~0.2 s each under MWMS (measured: 2-worker steps
+            of 33-36 ms became 28-30 ms on 60-step epochs). Needs a source whose size
+            can be known. Defaults to False.
         autotune: Run tf.data's autotuning model on the pipelines. In TF 2.21 each
             iterator Keras `fit` drops (one or two per epoch) then blocks training for
             up to the model's optimization period, seconds that double up to a minute
@@ -220,6 +227,12 @@ def distribute_dataset(strategy: tf.distribute.Strategy,
     if not drop_remainder:
         # One replica: nothing to equalize, and the partial last batch is kept.
         plan = dataclasses.replace(plan, steps=None, dropped=0)
+    if repeat and plan.steps is None:
+        raise ValueError(
+            "repeat=True needs an epoch length that every pipeline shares, and this source's "
+            "is unknown (a function source, a dataset of unknown or infinite size, or "
+            "drop_remainder=False). Repeat inside your "
+            "dataset instead and pass steps_per_epoch to fit yourself.")
 
     def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
         ds = plan.read(context)
@@ -245,6 +258,8 @@ def distribute_dataset(strategy: tf.distribute.Strategy,
         if plan.steps is not None:
             ds = ds.take(plan.steps * local)
             ds = ds.apply(tf.data.experimental.assert_cardinality(plan.steps * local))
+        if repeat:
+            ds = ds.repeat()
         ds = ds.prefetch(prefetch)
         return ds if autotune else _input_stalls.without_autotune(ds)
 

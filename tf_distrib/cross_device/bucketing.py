@@ -10,7 +10,8 @@ import tensorflow as tf
 
 from tf_distrib._checks import check_int
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "ALONE_FROM_BYTES", "plan_buckets", "pack", "unpack"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "ALONE_FROM_BYTES", "plan_buckets", "plan_backward_buckets",
+           "pack", "unpack"]
 
 # PyTorch DDP's default bucket size.
 DEFAULT_BUCKET_BYTES = 25 * 2**20
@@ -43,6 +44,31 @@ def plan_buckets(tensors, bucket_bytes: int,
         open_buckets[t.dtype] = (members + [i], used + nbytes)
     buckets += [members for members, _ in open_buckets.values() if members]
     return sorted(buckets, key=lambda b: b[0])
+
+
+def plan_backward_buckets(tensors, bucket_bytes: int) -> list[list[int]]:
+    """Buckets of consecutive tensor indices, last tensor first (PyTorch DDP's order).
+
+    Backward computes gradients from the last layer to the first, so the first bucket
+    is ready first and can travel while backward goes on. A bucket holds one dtype
+    and at most `bucket_bytes`, unless one tensor alone is larger. Indices in each
+    bucket are ascending (the order `pack` expects).
+    """
+    check_int("bucket_bytes", bucket_bytes)
+    buckets, members, used, dtype = [], [], 0, None
+    for i in reversed(range(len(tensors))):
+        t = tensors[i]
+        size = t.shape.num_elements()
+        nbytes = (size if size is not None else 0) * t.dtype.size
+        if members and (t.dtype != dtype or used + nbytes > bucket_bytes):
+            buckets.append(members[::-1])
+            members, used = [], 0
+        members.append(i)
+        used += nbytes
+        dtype = t.dtype
+    if members:
+        buckets.append(members[::-1])
+    return buckets
 
 
 def pack(tensors) -> tf.Tensor:

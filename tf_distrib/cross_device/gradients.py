@@ -17,8 +17,6 @@ from tf_distrib.cross_device.compression import Compressor, get_compressor
 
 # Attribute of a strategy holding its GradientAllReduce.
 STRATEGY_ATTRIBUTE = "_tf_distrib_gradient_all_reduce"
-# Without bucket_bytes, small gradients of a dtype share one bucket (as TF packs them).
-_ONE_BUCKET_BYTES = 2**62
 
 
 class GradientAllReduce:
@@ -26,9 +24,8 @@ class GradientAllReduce:
 
     Args:
         compression: "bf16", "fp16", "none" or a `Compressor`. Defaults to None (none).
-        bucket_bytes: Largest bucket in bytes. Gradients of `bucketing.ALONE_FROM_BYTES`
-            or more always travel alone. Defaults to None: all smaller gradients of one
-            dtype share one bucket, as TF's own all-reduce packs them.
+        bucket_bytes: Largest bucket of consecutive gradients, in bytes (a larger
+            gradient travels alone). Defaults to None: 25 MiB, PyTorch DDP's default.
     """
 
     def __init__(self, compression: str | Compressor | None = None,
@@ -53,11 +50,12 @@ class GradientAllReduce:
         values = [grads[i] for i in dense]
         # TF's batch all-reduce concatenates every tensor of one call into a single
         # collective (`bytes_per_pack=0`), so each bucket gets a call of its own: no
-        # extra copy, and a bucket is sent as soon as its gradients exist. Buckets go
-        # last layer first, the order backward computes them in, because TF launches
+        # extra copy, and a bucket can travel as soon as its gradients exist. Buckets
+        # go last layer first, the order backward computes them in, because TF launches
         # the collectives of one device in call order.
-        plan = bucketing.plan_buckets(values, self.bucket_bytes or _ONE_BUCKET_BYTES)
-        for members in reversed(plan):
+        plan = bucketing.plan_backward_buckets(
+            values, self.bucket_bytes or bucketing.DEFAULT_BUCKET_BYTES)
+        for members in plan:
             reduced = self._reduce_bucket(context, [values[k] for k in members])
             for k, part in zip(members, reduced, strict=True):
                 results[dense[k]] = part

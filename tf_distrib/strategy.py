@@ -162,8 +162,11 @@ def make_strategy(cross_device_ops: tf.distribute.CrossDeviceOps | None = None, 
             it compresses `model.fit`'s gradient all-reduce (metrics stay exact).
             Defaults to None.
         bucket_bytes: Pack gradients into buckets of at most this many bytes before
-            reducing them (`cross_device.BucketedAllReduce` on MirroredStrategy, the
-            gradient all-reduce on MWMS). Defaults to None (no buckets).
+            reducing them (`cross_device.BucketedAllReduce` on MirroredStrategy; on MWMS,
+            buckets of consecutive gradients, last layer first, one collective each:
+            1.4-1.5x faster than TF's own for 100 MB of fp32 gradients). Defaults to None:
+            no buckets on MirroredStrategy; on MWMS 25 MiB buckets with `compression`,
+            else TF's all-reduce, which packs all gradients into one tensor.
         communication_timeout: Seconds after which a stuck collective fails with
             `DeadlineExceededError` instead of waiting (MWMS only). Defaults to None:
             TF's own heartbeat reports a dead peer after about 10 s.

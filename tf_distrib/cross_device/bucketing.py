@@ -73,15 +73,26 @@ def plan_backward_buckets(tensors, bucket_bytes: int) -> list[list[int]]:
 
 def pack(tensors) -> tf.Tensor:
     """Concatenates the tensors, flattened, into one 1-D tensor."""
-    if len(tensors) == 1:
-        return tf.reshape(tensors[0], [-1])
-    return tf.concat([tf.reshape(t, [-1]) for t in tensors], axis=0)
+    flat = [_flatten(t) for t in tensors]
+    return flat[0] if len(flat) == 1 else tf.concat(flat, axis=0)
 
 
 def unpack(flat: tf.Tensor, like) -> list[tf.Tensor]:
     """Splits `flat` back into tensors shaped like `like` (the tensors given to `pack`)."""
     if len(like) == 1:
-        return [tf.reshape(flat, tf.shape(like[0]))]
+        return [_shape_like(flat, like[0])]
     sizes = [t.shape.num_elements() if t.shape.is_fully_defined() else tf.size(t) for t in like]
     parts = tf.split(flat, sizes)
-    return [tf.reshape(p, tf.shape(t)) for p, t in zip(parts, like, strict=True)]
+    return [_shape_like(p, t) for p, t in zip(parts, like, strict=True)]
+
+
+# Each graph op costs ~25 us on CPU whatever its size, and buckets exist to save ops:
+# known 1-D shapes need no reshape, known shapes no Shape op.
+def _flatten(tensor):
+    return tensor if tensor.shape.rank == 1 else tf.reshape(tensor, [-1])
+
+
+def _shape_like(part, like):
+    if like.shape.rank == 1 and like.shape.is_fully_defined():
+        return part
+    return tf.reshape(part, like.shape if like.shape.is_fully_defined() else tf.shape(like))

@@ -1,5 +1,7 @@
 """Cross-device ops against an exact float64 reference, and model.fit with each op."""
 
+import logging
+
 import keras
 import numpy as np
 import pytest
@@ -230,7 +232,7 @@ def test_backward_buckets_are_consecutive_last_layer_first():
     assert plan_backward_buckets(tensors, 2000) == [[4, 5], [2, 3], [0, 1]]
 
 
-def test_compressor_casts_are_bitwise_tf_cast():
+def test_compressor_casts_are_bitwise_tf_cast(caplog):
     # XLA compiles the casts of dense tensors; they must round exactly as tf.cast does.
     rng = np.random.default_rng(3)
     special = [0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40, -1e-40, 1.0 + 2.0 ** -8,
@@ -245,6 +247,11 @@ def test_compressor_casts_are_bitwise_tf_cast():
         np.testing.assert_array_equal(tf.bitcast(compressor.decompress(compressed, ctx),
                                                  tf.uint32),
                                       tf.bitcast(tf.cast(compressed, tf.float32), tf.uint32))
+    # A model's many gradient shapes share one trace: TF warns about retracing otherwise.
+    with caplog.at_level(logging.WARNING, logger="tensorflow"):
+        for n in range(1, 9):
+            CastCompressor("bfloat16").compress(tf.ones([n, 3]))
+    assert "retracing" not in caplog.text
     # Shapes known only at run time (IndexedSlices values) keep TF's own kernel.
     unknown = tf.function(lambda t: CastCompressor("bfloat16").compress(t)[0],
                           input_signature=[tf.TensorSpec([None], tf.float32)])

@@ -1,11 +1,13 @@
 """Gradient all-reduce between 2 MultiWorkerMirroredStrategy workers over loopback.
 
-100 MB of float32 gradients (4 tensors of 25 MB) summed across the workers through
-`make_strategy(compression=...)`'s gradient path, in float32, bfloat16 and float16;
-TF's collective all-reduce carries the bytes in every case. Two references measured in
-the same run show what the transport allows: a bare cast to bfloat16 around TF's
-collective, and TF's collective on tensors that are bfloat16 already (no cast at all:
-the ceiling of any bf16 scheme that keeps TF's collective).
+100 MB of float32 gradients (4 tensors of 25 MB) summed across the workers: first as
+Keras does without tf_distrib (one batch all-reduce, which TF packs into one tensor),
+then through `make_strategy(compression=...)`'s gradient path (one collective per
+bucket) in float32, bfloat16 and float16; TF's collective carries the bytes in every
+case. Two references measured in the same run show what the transport allows: a bare
+cast to bfloat16 around TF's all-reduce, and TF's collective on tensors that are
+bfloat16 already (no cast at all: the ceiling of any bf16 scheme that keeps TF's
+collective).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ def _worker(repeats: int) -> dict:
     strategy = td.make_strategy()
     grads = [tf.random.stateless_normal([FLOATS // TENSORS], seed=[i, 0])
              for i in range(TENSORS)]
+
     def replica_all_reduce(values):
         return tf.distribute.get_replica_context().all_reduce("SUM", values)
 

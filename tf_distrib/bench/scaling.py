@@ -4,9 +4,9 @@ Each worker is pinned to its own core (`os.sched_setaffinity`, as `taskset -c i`
 with one intra-op thread, and trains an MLP 784-1024-1024-10 on 128 examples per
 worker per step, on `distribute_dataset(repeat=True)` so that `fit` keeps one iterator.
 The ratio of global examples/sec (2 workers / 1 worker) is the scaling; 2.0 is perfect,
-Horovod's headline is 90% (1.8). TensorFlow's collective
-over loopback is the transport in every setting. Each setting runs twice and keeps
-its best: with every core busy, single runs vary by up to 2x.
+Horovod's headline is 90% (1.8). TensorFlow's collective over loopback is the transport
+in every setting. Each setting runs twice and keeps its best: with every core busy,
+single runs vary by up to 2x.
 """
 
 from __future__ import annotations

@@ -35,6 +35,44 @@ def test_two_workers_match_mirrored_on_two_logical_cpus():
     assert a["loss"][-1] < a["loss"][0]
 
 
+def fit_with_steps_per_execution():
+    """Trains the same model with steps_per_execution 1 and 4; returns losses and weights."""
+    import keras
+    import tensorflow as tf
+
+    import tf_distrib as td
+    from tf_distrib.demo import make_data
+
+    strategy = td.make_strategy()
+    data = td.data.distribute_dataset(strategy, tf.data.Dataset.from_tensor_slices(
+        make_data(512)), 32, repeat=True)
+    out = {}
+    for steps_per_execution in (1, 4):
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(8)])
+            model.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(
+                from_logits=True), steps_per_execution=steps_per_execution)
+        history = model.fit(data, epochs=2, steps_per_epoch=data.steps_per_epoch, verbose=0)
+        out[steps_per_execution] = (history.history["loss"], [w.numpy() for w in model.weights])
+    return out
+
+
+def test_steps_per_execution_under_mwms():
+    # keras-team/keras#19246: with plain MWMS, N > 1 fails with "You must feed a value for
+    # placeholder tensor"; KerasMultiWorkerMirroredStrategy makes it run.
+    a, b = (w.value for w in run_workers(fit_with_steps_per_execution, 2, timeout=240,
+                                          quiet=True))
+    for spe in (1, 4):
+        assert a[spe][0] == b[spe][0]
+        for wa, wb in zip(a[spe][1], b[spe][1], strict=True):
+            np.testing.assert_array_equal(wa, wb)
+    # Running 4 steps per call changes nothing in the arithmetic.
+    np.testing.assert_allclose(a[4][0], a[1][0], rtol=1e-6)
+    for w4, w1 in zip(a[4][1], a[1][1], strict=True):
+        np.testing.assert_allclose(w4, w1, rtol=1e-5, atol=1e-6)
+
+
 def test_plain_mwms_fit_still_fails_upstream():
     """Canary: when this fails, Keras fixed keras-team/keras#20585 and
     KerasMultiWorkerMirroredStrategy.reduce can be dropped."""

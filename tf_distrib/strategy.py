@@ -22,6 +22,7 @@ import sys
 import threading
 
 import tensorflow as tf
+from tensorflow.python.distribute import cross_device_utils
 
 from tf_distrib import cluster as cluster_lib
 from tf_distrib import cross_device
@@ -81,8 +82,8 @@ def use_logical_cpus(n: int) -> None:
 class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
     """MultiWorkerMirroredStrategy that Keras 3's `fit`, `evaluate` and `predict` can use.
 
-    Keras 3 calls `strategy.reduce` in two ways that MWMS rejects
-    (keras-team/keras#20585, tensorflow/tensorflow#72388):
+    Keras 3 meets three upstream bugs under MWMS. It calls `strategy.reduce` in two ways
+    that MWMS rejects (keras-team/keras#20585, tensorflow/tensorflow#72388):
 
     1. `_maybe_symbolic_build` reduces a nested (x, y) structure in one call, but
        MWMS's `_reduce_to` accepts one value only;
@@ -90,9 +91,24 @@ class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy
        which fails with "Invalid reduction dimension 0".
 
     This subclass maps the reduction over nested structures and uses `axis=None`
-    for scalars. It changes nothing else; drop it once both issues are fixed
-    upstream. Being a subclass, it leaves every other strategy untouched.
+    for scalars, in its own `reduce` only.
+
+    3. `compile(steps_per_execution=N)` with N > 1 fails ("You must feed a value for
+       placeholder tensor", keras-team/keras#19246): Keras runs the train step in a
+       `tf.cond` inside a `tf.while_loop`, and TF's collectives defer their instance
+       keys to call time (`capture_call_time_value`), which does not reach through
+       that nesting. This strategy makes TF assign instance keys at trace time
+       instead, TF's other supported mode (`CollectiveReplicaLauncher.
+       _prefer_unique_instance_key = False`). That setting is process-wide, from the
+       first KerasMultiWorkerMirroredStrategy on: it fixes TF's MirroredStrategy on
+       CPUs too, which hits the same error.
+
+    Drop each fix once its issue is fixed upstream.
     """
+
+    def __init__(self, *args, **kwargs):
+        cross_device_utils.CollectiveReplicaLauncher._prefer_unique_instance_key = False
+        super().__init__(*args, **kwargs)
 
     def reduce(self, reduce_op, value, axis):
         if not _is_single_value(value):

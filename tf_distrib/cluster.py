@@ -23,7 +23,7 @@ import re
 import socket
 from collections.abc import Mapping
 
-from tf_distrib._checks import check_int
+from tf_distrib._checks import check_int, is_int
 
 __all__ = [
     "ClusterConfigError",
@@ -292,8 +292,7 @@ def _parse_task(task, cluster) -> tuple[str, int]:
             f"TF_CONFIG task.type '{task_type}' is unknown; use one of {', '.join(KNOWN_ROLES)}."
         )
     index = task.get("index", 0)
-    # bool is an int subclass; True would silently mean task 1.
-    if isinstance(index, bool) or not isinstance(index, int):
+    if not is_int(index):
         raise ClusterConfigError(
             f"TF_CONFIG task.index must be an integer, got {index!r}."
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from tf_distrib._checks import check_int
+from tf_distrib._checks import check_int, is_int
 from tf_distrib.callbacks.backup_store import BackupStore
 from tf_distrib.callbacks.preemption import PreemptionWatcher
 from tf_distrib.launch.launcher import PREEMPTED_EXIT_CODE
@@ -66,8 +66,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         super().__init__()
         if not backup_dir:
             raise ValueError("BackupAndRestore needs a backup_dir, e.g. '/tmp/backup'.")
-        if save_freq != "epoch" and (isinstance(save_freq, bool) or not isinstance(save_freq, int)
-                                     or save_freq < 1):
+        if save_freq != "epoch" and (not is_int(save_freq) or save_freq < 1):
             raise ValueError(
                 f"save_freq must be 'epoch' or a positive number of steps, got {save_freq!r}.")
         check_int("keep", keep)

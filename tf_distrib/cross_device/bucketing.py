@@ -32,8 +32,7 @@ def plan_buckets(tensors, bucket_bytes: int,
     open_buckets: dict[tf.DType, tuple[list[int], int]] = {}
     buckets = []
     for i, t in enumerate(tensors):
-        size = t.shape.num_elements()
-        nbytes = (size if size is not None else 0) * t.dtype.size
+        nbytes = _nbytes(t)
         if nbytes >= alone_from_bytes:
             buckets.append([i])
             continue
@@ -58,13 +57,11 @@ def plan_backward_buckets(tensors, bucket_bytes: int) -> list[list[int]]:
     buckets, members, used, dtype = [], [], 0, None
     for i in reversed(range(len(tensors))):
         t = tensors[i]
-        size = t.shape.num_elements()
-        nbytes = (size if size is not None else 0) * t.dtype.size
-        if members and (t.dtype != dtype or used + nbytes > bucket_bytes):
+        if members and (t.dtype != dtype or used + _nbytes(t) > bucket_bytes):
             buckets.append(members[::-1])
             members, used = [], 0
         members.append(i)
-        used += nbytes
+        used += _nbytes(t)
         dtype = t.dtype
     if members:
         buckets.append(members[::-1])
@@ -84,6 +81,12 @@ def unpack(flat: tf.Tensor, like) -> list[tf.Tensor]:
     sizes = [t.shape.num_elements() if t.shape.is_fully_defined() else tf.size(t) for t in like]
     parts = tf.split(flat, sizes)
     return [_shape_like(p, t) for p, t in zip(parts, like, strict=True)]
+
+
+def _nbytes(tensor) -> int:
+    """Bytes of `tensor`; 0 when its shape is not fully known."""
+    size = tensor.shape.num_elements()
+    return (size or 0) * tensor.dtype.size
 
 
 # Each graph op costs ~25 us on CPU whatever its size, and buckets exist to save ops:

@@ -23,19 +23,21 @@ __all__ = ["Compressor", "NoCompression", "CastCompressor", "get_compressor", "C
 _FP16_MAX = 65504.0
 
 
+def _clip_and_cast(tensor, dtype, clip):
+    if clip:
+        tensor = tf.clip_by_value(tensor, -clip, clip)
+    return tf.cast(tensor, dtype)
+
+
 @functools.cache
 def _xla_cast(source: tf.DType, target: tf.DType, clip: float | None):
-    """An XLA-compiled cast of 1-D `source` tensors to `target`, after clipping to +-`clip`.
+    """An XLA-compiled `_clip_and_cast` of 1-D `source` tensors to `target`.
 
     One function per conversion, traced once for every length (XLA still compiles a
     kernel per length): TF would warn of retracing if one function served them all.
     """
-    def cast(tensor):
-        if clip:
-            tensor = tf.clip_by_value(tensor, -clip, clip)
-        return tf.cast(tensor, target)
-
-    return tf.function(cast, jit_compile=True, input_signature=[tf.TensorSpec([None], source)])
+    return tf.function(lambda tensor: _clip_and_cast(tensor, target, clip), jit_compile=True,
+                       input_signature=[tf.TensorSpec([None], source)])
 
 
 def _cast(tensor, dtype, clip=None):
@@ -46,14 +48,12 @@ def _cast(tensor, dtype, clip=None):
     that difference is a fifth of the time the compressed transport takes. Tensors whose
     shape is not fully known (IndexedSlices values) keep TF's kernel.
     """
-    if isinstance(tensor, tf.Tensor) and tensor.shape.is_fully_defined():
-        cast = _xla_cast(tensor.dtype, tf.as_dtype(dtype), clip)
-        if tensor.shape.rank == 1:  # buckets: no reshape ops
-            return cast(tensor)
-        return tf.reshape(cast(tf.reshape(tensor, [-1])), tensor.shape)
-    if clip:
-        tensor = tf.clip_by_value(tensor, -clip, clip)
-    return tf.cast(tensor, dtype)
+    if not (isinstance(tensor, tf.Tensor) and tensor.shape.is_fully_defined()):
+        return _clip_and_cast(tensor, dtype, clip)
+    cast = _xla_cast(tensor.dtype, tf.as_dtype(dtype), clip)
+    if tensor.shape.rank == 1:  # buckets: no reshape ops
+        return cast(tensor)
+    return tf.reshape(cast(tf.reshape(tensor, [-1])), tensor.shape)
 
 
 class Compressor:

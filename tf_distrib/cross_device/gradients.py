@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from tf_distrib._checks import check_int
 from tf_distrib.cross_device import bucketing
 from tf_distrib.cross_device.compression import Compressor, get_compressor
 
@@ -31,9 +32,8 @@ class GradientAllReduce:
     def __init__(self, compression: str | Compressor | None = None,
                  bucket_bytes: int | None = None):
         self.compressor = get_compressor(compression)
-        if bucket_bytes is not None:
-            bucketing.plan_buckets([], bucket_bytes)  # validates
-        self.bucket_bytes = bucket_bytes
+        self.bucket_bytes = (bucketing.DEFAULT_BUCKET_BYTES if bucket_bytes is None
+                             else check_int("bucket_bytes", bucket_bytes))
 
     def __call__(self, grads: list) -> list:
         """All-reduces `grads` (SUM) in replica context; same structure out."""
@@ -53,8 +53,7 @@ class GradientAllReduce:
         # extra copy, and a bucket can travel as soon as its gradients exist. Buckets
         # go last layer first, the order backward computes them in, because TF launches
         # the collectives of one device in call order.
-        plan = bucketing.plan_backward_buckets(
-            values, self.bucket_bytes or bucketing.DEFAULT_BUCKET_BYTES)
+        plan = bucketing.plan_backward_buckets(values, self.bucket_bytes)
         for members in plan:
             reduced = self._reduce_bucket(context, [values[k] for k in members])
             for k, part in zip(members, reduced, strict=True):

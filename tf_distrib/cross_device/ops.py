@@ -23,6 +23,7 @@ from tensorflow.python.distribute import device_util, distribute_utils
 from tensorflow.python.distribute import values as value_lib
 from tensorflow.python.distribute.cross_device_ops import get_devices_from
 
+from tf_distrib._checks import check_int
 from tf_distrib.cross_device import bucketing
 from tf_distrib.cross_device.compression import Compressor, get_compressor
 
@@ -182,8 +183,7 @@ class BucketedAllReduce(_LocalReduce):
 
     def __init__(self, bucket_bytes: int = bucketing.DEFAULT_BUCKET_BYTES, inner=None):
         super().__init__(inner)
-        bucketing.plan_buckets([], bucket_bytes)  # validates
-        self.bucket_bytes = bucket_bytes
+        self.bucket_bytes = check_int("bucket_bytes", bucket_bytes)
 
     def _handles(self, value) -> bool:
         return _is_dense_float(value)

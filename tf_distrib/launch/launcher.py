@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tf_distrib import cluster as cluster_lib
-from tf_distrib._checks import check_int
+from tf_distrib._checks import check_int, is_int
 from tf_distrib.launch import targets
 from tf_distrib.launch.errors import LaunchError
 from tf_distrib.launch.process_group import ProcessGroup
@@ -229,11 +229,9 @@ def _check_launch_args(num_workers, max_restarts, startup_timeout, grace_period,
     if hosts is not None:
         if not hosts or not all(isinstance(h, str) and h for h in hosts):
             raise LaunchError(f"hosts must be a non-empty list of addresses, got {hosts!r}.")
-        if (isinstance(host_index, bool) or not isinstance(host_index, int)
-                or not 0 <= host_index < len(hosts)):
+        if not is_int(host_index) or not 0 <= host_index < len(hosts):
             raise LaunchError(f"host_index must be in 0..{len(hosts) - 1}, got {host_index!r}.")
-        if (isinstance(base_port, bool) or not isinstance(base_port, int)
-                or not 1 <= base_port <= 65535 - num_workers):
+        if not is_int(base_port) or not 1 <= base_port <= 65535 - num_workers:
             raise LaunchError(f"base_port {base_port!r} leaves no room for {num_workers} "
                               "ports below 65536.")
 

@@ -10,6 +10,7 @@ import argparse
 import importlib
 import json
 import os
+import subprocess
 import sys
 
 # Benchmark name -> module with run(options) -> dict (its printed table is its own).
@@ -23,6 +24,24 @@ BENCHMARKS = {
     "scaling": "tf_distrib.bench.scaling",
     "model_parallel": "tf_distrib.bench.model_parallel",
 }
+
+
+def run_in_fresh_process(module: str, *args) -> object:
+    """Runs `python -m module args...` and returns what its last line of output holds (JSON).
+
+    Benchmarks that set logical devices need a process of their own: TensorFlow fixes
+    its devices once it starts. TensorFlow's C++ logging is quietened there.
+
+    Raises:
+        RuntimeError: the process failed; the message ends with its last output lines.
+    """
+    result = subprocess.run([sys.executable, "-m", module, *map(str, args)],
+                            capture_output=True, text=True,
+                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    if result.returncode:
+        tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-20:])
+        raise RuntimeError(f"{module} failed with exit status {result.returncode}:\n{tail}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> int:

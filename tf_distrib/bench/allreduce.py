@@ -9,10 +9,10 @@ devices are fixed once TensorFlow starts).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import time
+
+from tf_distrib.bench import run_in_fresh_process
 
 REPLICAS = 4
 # (name, total floats, tensors): big layers, and many small ones.
@@ -118,9 +118,7 @@ def print_table(results: dict, builtin_names) -> None:
 
 def run(options) -> dict:
     repeats = 2 if options.quick else 5
-    out = subprocess.run([sys.executable, "-m", __name__, str(repeats)], capture_output=True,
-                         text=True, check=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
-    results = json.loads(out.stdout.strip().splitlines()[-1])
+    results = run_in_fresh_process(__name__, repeats)
     print_table(results, BUILTIN_OPS)
     return results
 

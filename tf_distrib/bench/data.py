@@ -9,10 +9,10 @@ Runs in a fresh process (logical devices are fixed once TensorFlow starts).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import time
+
+from tf_distrib.bench import run_in_fresh_process
 
 GLOBAL_BATCH = 64
 
@@ -55,9 +55,7 @@ def _measure(epochs: int) -> dict:
 
 def run(options) -> dict:
     epochs = 1 if options.quick else 3
-    out = subprocess.run([sys.executable, "-m", __name__, str(epochs)], capture_output=True,
-                         text=True, check=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
-    rates = json.loads(out.stdout.strip().splitlines()[-1])
+    rates = run_in_fresh_process(__name__, epochs)
     fit = rates["demo model fit"]
     print(f"{'pipeline (2 logical CPUs, global batch 64)':<52}{'steps/s':>10}{'vs fit':>9}")
     for name, rate in rates.items():

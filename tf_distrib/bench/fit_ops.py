@@ -8,9 +8,8 @@ epochs vary by up to 2x on a 2-core machine. Runs in a fresh process.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+
+from tf_distrib.bench import run_in_fresh_process
 
 GLOBAL_BATCH = 256
 STEPS = 160
@@ -42,9 +41,7 @@ def _measure() -> dict:
 
 
 def run(options) -> dict:
-    out = subprocess.run([sys.executable, "-m", __name__], capture_output=True, text=True,
-                         check=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
-    rates = json.loads(out.stdout.strip().splitlines()[-1])
+    rates = run_in_fresh_process(__name__)
     from tf_distrib.bench.allreduce import BUILTIN_OPS
 
     best = max(rates[n] for n in BUILTIN_OPS)

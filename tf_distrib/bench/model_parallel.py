@@ -8,9 +8,8 @@ are fixed once TensorFlow starts).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+
+from tf_distrib.bench import run_in_fresh_process
 
 
 def _measure() -> dict:
@@ -39,9 +38,7 @@ def _measure() -> dict:
 
 
 def run(options) -> dict:
-    out = subprocess.run([sys.executable, "-m", __name__], capture_output=True, text=True,
-                         check=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
-    results = json.loads(out.stdout.strip().splitlines()[-1])
+    results = run_in_fresh_process(__name__)
     total = sum(u["bytes"] for u in results["1 device(s)"].values())
     print(f"MLP 1024-2048x3-1024-10 + Adam: {total / 1e6:.1f} MB of weights and slots")
     print(f"  {'layout':<12}{'device':<10}{'parameters':>12}{'MB':>8}{'share':>8}")

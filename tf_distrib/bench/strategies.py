@@ -9,10 +9,10 @@ the per-step cost of Keras' replica machinery itself.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import time
+
+from tf_distrib.bench import run_in_fresh_process
 
 GLOBAL_BATCH = 256
 CONFIGS = ("no strategy", "tf OneDeviceStrategy (ceiling)", "tf MirroredStrategy (default)",
@@ -58,11 +58,7 @@ def run(options) -> dict:
     steps, repeats = (10, 1) if options.quick else (60, 3)
     results = {}
     for cpus in (2, 4):
-        out = subprocess.run(
-            [sys.executable, "-m", __name__, str(cpus), str(steps), str(repeats)],
-            capture_output=True, text=True, check=True,
-            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
-        results[f"{cpus} logical CPUs"] = json.loads(out.stdout.strip().splitlines()[-1])
+        results[f"{cpus} logical CPUs"] = run_in_fresh_process(__name__, cpus, steps, repeats)
     print(f"{'layout':<16}{'configuration':<40}{'replicas':>9}{'examples/s':>12}"
           f"{'vs none':>9}{'vs tf Mirrored':>16}")
     for layout, rates in results.items():

@@ -31,7 +31,7 @@ def train(backup_dir: str, model_dir: str, epochs: int = 3, global_batch_size: i
     import tensorflow as tf
 
     import tf_distrib as td
-    from tf_distrib.demo import build_model, make_data
+    from tf_distrib.datasets import build_model, make_data
 
     strategy = td.make_strategy()
     with strategy.scope():

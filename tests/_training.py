@@ -15,7 +15,7 @@ def train_with_backup(backup_dir, epochs=3, save_freq=10, kill_at=None, kill_wor
     import tensorflow as tf
 
     import tf_distrib as td
-    from tf_distrib.demo import NUM_CLASSES, NUM_FEATURES, make_data
+    from tf_distrib.datasets import NUM_CLASSES, NUM_FEATURES, make_data
 
     if logical_cpus:
         td.use_logical_cpus(logical_cpus)

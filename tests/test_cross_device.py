@@ -14,7 +14,7 @@ from tf_distrib.cross_device import (
     CompressedAllReduce,
     RingAllReduce,
 )
-from tf_distrib.demo import build_model, make_data
+from tf_distrib.datasets import build_model, make_data
 from tf_distrib.testing import run_workers
 
 OPS = {
@@ -153,15 +153,16 @@ def test_fit_with_each_op_converges_like_the_default():
         assert abs(fit_loss(strategy) - default) <= 0.25 * default, kwargs
 
 
-def compressed_mwms_job(compression, bucket_bytes):
+def compressed_mwms_job(compression, bucket_bytes, transport):
     import keras
     import tensorflow as tf
 
     import tf_distrib as td
-    from tf_distrib.demo import build_model, make_data
+    from tf_distrib.datasets import build_model, make_data
 
     keras.utils.set_random_seed(0)
-    strategy = td.make_strategy(compression=compression, bucket_bytes=bucket_bytes)
+    strategy = td.make_strategy(compression=compression, bucket_bytes=bucket_bytes,
+                                transport=transport)
     with strategy.scope():
         model = build_model()
     dataset = td.data.distribute_dataset(
@@ -172,26 +173,34 @@ def compressed_mwms_job(compression, bucket_bytes):
 
 
 def gradient_collectives(strategy, model):
-    """(dtype, elements) of each collective the gradient path issues, in launch order."""
+    """(dtype, elements) of each collective the gradient path issues, in launch order.
+
+    TF's collective is a CollectiveReduceV2 op per bucket (its first input); tf_distrib's
+    transport one numpy_function per bucket (after the collective's number).
+    """
     import tensorflow as tf
 
-    from tf_distrib.cross_device import gradients
+    from tf_distrib import optimizer_hooks
 
-    reduce = getattr(strategy, gradients.STRATEGY_ATTRIBUTE, None)
+    reduce = optimizer_hooks.gradient_all_reduce(strategy)
     if reduce is None:
         return None
     step = tf.function(lambda: strategy.run(
         lambda: reduce([tf.identity(w) for w in model.trainable_weights])))
-    return [(op.inputs[0].dtype.name, op.inputs[0].shape.num_elements())
-            for op in step.get_concrete_function().graph.get_operations()
-            if op.type == "CollectiveReduceV2"]
+    sent = []
+    for op in step.get_concrete_function().graph.get_operations():
+        if op.type == "CollectiveReduceV2" or op.name.startswith("tf_distrib_all_reduce"):
+            tensors = op.inputs[:1] if op.type == "CollectiveReduceV2" else op.inputs[1:]
+            sent.append((tensors[0].dtype.name, sum(t.shape.num_elements() for t in tensors)))
+    return sent
 
 
 def test_mwms_gradient_compression_keeps_workers_in_sync():
     runs = {args: [w.value for w in run_workers(compressed_mwms_job, 2, args=args,
                                                  quiet=True, timeout=240)]
-            for args in ((None, None), ("bf16", 4096), ("fp16", None))}
-    default = runs[(None, None)][0]["loss"][-1]
+            for args in ((None, None, "tf"), ("bf16", 4096, "tf"), ("fp16", None, "tf"),
+                         (None, None, "auto"), ("bf16", 4096, "auto"))}
+    default = runs[(None, None, "tf")][0]["loss"][-1]
     for args, (a, b) in runs.items():
         # Workers that stopped synchronising would diverge here.
         for wa, wb in zip(a["weights"], b["weights"], strict=True):
@@ -199,12 +208,18 @@ def test_mwms_gradient_compression_keeps_workers_in_sync():
         assert a["loss"] == b["loss"]
         assert abs(a["loss"][-1] - default) <= 0.25 * default, args
     # Compression changed the arithmetic: the hook really ran.
-    assert runs[("bf16", 4096)][0]["loss"] != runs[(None, None)][0]["loss"]
+    assert runs[("bf16", 4096, "tf")][0]["loss"] != runs[(None, None, "tf")][0]["loss"]
     # One collective per bucket, the last layer's first (weights 1024, 64, 4096, 64, 256, 4
     # floats; 4096-byte buckets); without bucket_bytes the small gradients share one.
-    assert runs[("bf16", 4096)][0]["sent"] == [("bfloat16", 324), ("bfloat16", 4096),
-                                                ("bfloat16", 64), ("bfloat16", 1024)]
-    assert runs[("fp16", None)][0]["sent"] == [("float16", 5508)]
+    for transport in ("tf", "auto"):
+        assert runs[("bf16", 4096, transport)][0]["sent"] == [
+            ("bfloat16", 324), ("bfloat16", 4096), ("bfloat16", 64), ("bfloat16", 1024)]
+    assert runs[("fp16", None, "tf")][0]["sent"] == [("float16", 5508)]
+    assert runs[(None, None, "auto")][0]["sent"] == [("float32", 5508)]
+    assert runs[(None, None, "tf")][0]["sent"] is None  # Keras' own all-reduce
+    # The transport sums in another order than TF's ring: fp32 round-off apart.
+    np.testing.assert_allclose(runs[(None, None, "auto")][0]["loss"],
+                               runs[(None, None, "tf")][0]["loss"], rtol=1e-4)
 
 
 def test_compressors_round_trip_within_their_bounds():
@@ -222,14 +237,18 @@ def test_compressors_round_trip_within_their_bounds():
     assert ints.dtype == tf.int32 and ctx is None
 
 
-def test_backward_buckets_are_consecutive_last_layer_first():
-    from tf_distrib.cross_device.bucketing import plan_backward_buckets
+def test_buckets_are_consecutive_last_layer_first():
+    from tf_distrib.cross_device.bucketing import plan_buckets
 
     tensors = [tf.zeros([100]), tf.zeros([10]), tf.zeros([10], tf.float16),
                tf.zeros([10], tf.float16), tf.zeros([300]), tf.zeros([5])]
     # 400-byte buckets: one dtype each; a 1200-byte tensor travels alone.
-    assert plan_backward_buckets(tensors, 400) == [[5], [4], [2, 3], [1], [0]]
-    assert plan_backward_buckets(tensors, 2000) == [[4, 5], [2, 3], [0, 1]]
+    assert plan_buckets(tensors, 400) == [[5], [4], [2, 3], [1], [0]]
+    assert plan_buckets(tensors, 2000) == [[4, 5], [2, 3], [0, 1]]
+    # On one host (MirroredStrategy) large tensors travel alone, and the small ones
+    # around them share a bucket: weights 1200 bytes, biases 40 and 20.
+    layers = [tf.zeros([300]), tf.zeros([10]), tf.zeros([300]), tf.zeros([5])]
+    assert plan_buckets(layers, 2000, alone_from_bytes=400) == [[2], [1, 3], [0]]
 
 
 def test_compressor_casts_are_bitwise_tf_cast(caplog):

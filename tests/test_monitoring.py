@@ -11,7 +11,7 @@ import tensorflow as tf
 
 import tf_distrib as td
 from tf_distrib.cluster import local_tf_configs
-from tf_distrib.demo import build_model, make_data
+from tf_distrib.datasets import build_model, make_data
 from tf_distrib.testing import run_workers
 
 
@@ -58,7 +58,7 @@ def chief_only_job(directory):
     import tensorflow as tf
 
     import tf_distrib as td
-    from tf_distrib.demo import build_model, make_data
+    from tf_distrib.datasets import build_model, make_data
 
     index = os.environ["TF_DISTRIB_WORKER_INDEX"]
     strategy = td.make_strategy()

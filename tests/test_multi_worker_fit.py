@@ -41,7 +41,7 @@ def fit_with_steps_per_execution():
     import tensorflow as tf
 
     import tf_distrib as td
-    from tf_distrib.demo import make_data
+    from tf_distrib.datasets import make_data
 
     strategy = td.make_strategy()
     data = td.data.distribute_dataset(strategy, tf.data.Dataset.from_tensor_slices(

@@ -7,7 +7,7 @@ import tensorflow as tf
 
 import tf_distrib as td
 from tests.conftest import LOGICAL_CPUS
-from tf_distrib.demo import build_model, make_data
+from tf_distrib.datasets import build_model, make_data
 
 
 def test_make_strategy_uses_every_logical_cpu(monkeypatch):

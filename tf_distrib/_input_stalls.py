@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from tf_distrib import _compat
+
 
 def without_autotune(dataset: tf.data.Dataset) -> tf.data.Dataset:
     """`dataset` with tf.data's autotuning model off.
@@ -33,14 +35,4 @@ def install_device_buffer_fix() -> None:
     and each one stalls its iterator's destruction. Process-wide once called
     (`distribute_dataset` calls it); idempotent.
     """
-    from tensorflow.python.data.ops import multi_device_iterator_ops
-
-    create = multi_device_iterator_ops._create_device_dataset
-    if getattr(create, "_tf_distrib", False):
-        return
-
-    def create_device_dataset(*args, **kwargs):
-        return without_autotune(create(*args, **kwargs))
-
-    create_device_dataset._tf_distrib = True
-    multi_device_iterator_ops._create_device_dataset = create_device_dataset
+    _compat.wrap_device_buffers(without_autotune)

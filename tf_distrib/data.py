@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
-from tf_distrib import _input_stalls
+from tf_distrib import _compat, _input_stalls
 from tf_distrib._checks import check_int
 
 __all__ = ["distribute_dataset", "per_replica_batch_size", "shard_files",
@@ -402,6 +402,6 @@ def _count_steps_not_batches(dataset, local_replicas: int) -> None:
     per-pipeline dataset, which counts per-replica batches: with 4 local replicas,
     Keras would plan 4x the steps and warn "Your input ran out of data" every epoch.
     """
-    cardinality = getattr(dataset, "_cardinality", None)
+    cardinality = _compat.distributed_cardinality(dataset)
     if cardinality is not None and cardinality >= 0 and local_replicas > 1:
-        dataset._cardinality = cardinality // local_replicas
+        _compat.set_distributed_cardinality(dataset, cardinality // local_replicas)

@@ -16,37 +16,7 @@ import sys
 import tempfile
 import time
 
-# Built-in defaults: a job that takes seconds on a laptop CPU.
-NUM_EXAMPLES = 4096
-NUM_FEATURES = 16
-NUM_CLASSES = 4
-
-
-def make_data(num_examples: int = NUM_EXAMPLES, seed: int = 0):
-    """A generated 4-class problem: Gaussian blobs in 16 dimensions (numpy arrays)."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    centers = rng.normal(0.0, 2.0, size=(NUM_CLASSES, NUM_FEATURES))
-    y = rng.integers(0, NUM_CLASSES, size=num_examples)
-    x = centers[y] + rng.normal(0.0, 1.5, size=(num_examples, NUM_FEATURES))
-    return x.astype("float32"), y.astype("int32")
-
-
-def build_model():
-    """The demo's compiled MLP 16-64-64-4 (SGD with momentum, sparse labels, accuracy)."""
-    import keras
-
-    model = keras.Sequential([
-        keras.Input((NUM_FEATURES,)),
-        keras.layers.Dense(64, activation="relu"),
-        keras.layers.Dense(64, activation="relu"),
-        keras.layers.Dense(NUM_CLASSES),
-    ])
-    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
-    return model
+from tf_distrib.datasets import NUM_EXAMPLES, build_model, make_data
 
 
 def train(epochs: int = 3, global_batch_size: int = 64, seed: int = 1,
@@ -122,7 +92,7 @@ def train(epochs: int = 3, global_batch_size: int = 64, seed: int = 1,
 def _KillWorker1OnFirstAttempt(step: int):
     import keras
 
-    from tf_distrib.launch import ENV_ATTEMPT, ENV_WORKER_INDEX
+    from tf_distrib.contract import ENV_ATTEMPT, ENV_WORKER_INDEX
 
     class KillWorker1OnFirstAttempt(keras.callbacks.Callback):
         def __init__(self):

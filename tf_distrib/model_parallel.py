@@ -19,6 +19,7 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
+from tf_distrib import _compat
 from tf_distrib._checks import check_int
 
 __all__ = ["pipeline", "PipelineModel", "balance", "memory_per_device"]
@@ -97,13 +98,13 @@ class PipelineModel(keras.Model):
         for x_i, y_i, w_i in zip(xs, ys, ws, strict=True):
             with tf.GradientTape() as tape:
                 y_pred = self(x_i, training=True)
-                loss = self._compute_loss(x=x_i, y=y_i, y_pred=y_pred, sample_weight=w_i,
-                                          training=True) / m
+                loss = _compat.compute_loss(self, x=x_i, y=y_i, y_pred=y_pred,
+                                            sample_weight=w_i, training=True) / m
                 scaled = self.optimizer.scale_loss(loss)
             grads = tape.gradient(scaled, weights)
             total = grads if total is None else [a + b for a, b in zip(total, grads, strict=True)]
             predictions.append(y_pred)
-            self._loss_tracker.update_state(loss * m, sample_weight=tf.shape(
+            _compat.loss_tracker(self).update_state(loss * m, sample_weight=tf.shape(
                 tree.flatten(x_i)[0])[0])
         self.optimizer.apply_gradients(zip(total, weights, strict=True))
         y_pred = tree.map_structure(lambda *p: tf.concat(p, axis=0), *predictions)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from tf_distrib.launch import WorkerResult, launch
+from tf_distrib.launch.job import DEFAULTS
 
 __all__ = ["run_workers", "WorkersFailed"]
 
@@ -33,7 +34,7 @@ class WorkersFailed(RuntimeError):
 
 def run_workers(target: str | Callable, num_workers: int = 2, *, args: Sequence = (),
                 kwargs: Mapping | None = None,
-                timeout: float = 300.0, startup_timeout: float | None = 120.0,
+                timeout: float = 300.0, startup_timeout: float | None = DEFAULTS.startup_timeout,
                 env: Mapping[str, str] | None = None, quiet: bool = False,
                 check: bool = True) -> list[WorkerResult]:
     """Runs `target` once in `num_workers` real processes with TF_CONFIG on 127.0.0.1.
@@ -48,9 +49,11 @@ def run_workers(target: str | Callable, num_workers: int = 2, *, args: Sequence 
         num_workers: Number of worker processes. Defaults to 2.
         args: Arguments of the function, or of the script. Defaults to ().
         kwargs: Keyword arguments of the function. Defaults to None.
-        timeout: Hard limit in seconds for the whole run. Defaults to 300.
+        timeout: Hard limit in seconds for the whole run: unlike `launch()`, a test
+            must always end. Defaults to 300.
         startup_timeout: Seconds each worker may take to start TensorFlow's server
-            (None: no check, for targets that never start one). Defaults to 120.
+            (None: no check, for targets that never start one). Defaults to the
+            launcher's default, 300.
         env: Extra environment variables. Defaults to None.
         quiet: Keep output only in the results instead of streaming it. Defaults to False.
         check: Raise `WorkersFailed` unless every worker exits with 0. Defaults to True.
@@ -59,7 +62,7 @@ def run_workers(target: str | Callable, num_workers: int = 2, *, args: Sequence 
         One `WorkerResult` per worker (index, exit_code, output, value).
     """
     result = launch(target, num_workers, args=args, kwargs=kwargs, timeout=timeout,
-                    startup_timeout=startup_timeout, env=env, quiet=quiet, grace_period=2.0)
+                    startup_timeout=startup_timeout, env=env, quiet=quiet)
     if check and result.exit_code != 0:
         raise WorkersFailed(result.failure_report(), result.workers)
     return result.workers

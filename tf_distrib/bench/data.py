@@ -21,7 +21,7 @@ def _measure(epochs: int) -> dict:
     import tensorflow as tf
 
     import tf_distrib as td
-    from tf_distrib.demo import build_model, make_data
+    from tf_distrib.datasets import build_model, make_data
 
     td.use_logical_cpus(2)
     strategy = td.make_strategy()

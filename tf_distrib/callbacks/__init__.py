@@ -3,7 +3,7 @@
 from tf_distrib.callbacks.backup_and_restore import BackupAndRestore
 from tf_distrib.callbacks.chief_only import ChiefOnly, chief_verbose, is_chief
 from tf_distrib.callbacks.throughput import Throughput
-from tf_distrib.launch.launcher import PREEMPTED_EXIT_CODE
+from tf_distrib.contract import PREEMPTED_EXIT_CODE
 
 __all__ = ["BackupAndRestore", "ChiefOnly", "Throughput", "chief_verbose", "is_chief",
            "PREEMPTED_EXIT_CODE"]

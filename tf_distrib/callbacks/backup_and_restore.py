@@ -5,10 +5,11 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from tf_distrib import _compat
 from tf_distrib._checks import check_int, is_int
 from tf_distrib.callbacks.backup_store import BackupStore
 from tf_distrib.callbacks.preemption import PreemptionWatcher
-from tf_distrib.launch.launcher import PREEMPTED_EXIT_CODE
+from tf_distrib.contract import PREEMPTED_EXIT_CODE
 
 
 class BackupAndRestore(keras.callbacks.Callback):
@@ -82,6 +83,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._step_in_epoch = 0
         self._skip = 0
         self._skipped_last_call = False
+        self._save_due = False
         self.restored_step: int | None = None
 
     # Keras hooks -----------------------------------------------------------------
@@ -90,7 +92,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         strategy = self.model.distribute_strategy
         self._is_chief = strategy.extended.should_checkpoint
         self._global_step = self._epoch = self._step_in_epoch = self._skip = 0
-        self._skipped_last_call = False
+        self._skipped_last_call = self._save_due = False
         self.restored_step = None
         restored = self._store.read_latest()
         if restored is not None:
@@ -100,7 +102,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             if step and meta.get("steps_per_epoch") and step >= meta["steps_per_epoch"]:
                 epoch, step = epoch + 1, 0
             # fit() reads this right after on_train_begin to choose its first epoch.
-            self.model._initial_epoch = epoch
+            _compat.set_initial_epoch(self.model, epoch)
             self._global_step = self.restored_step = manifest["step"]
             deferred = ["metrics"] if step else []
             if self.model.built:
@@ -114,7 +116,8 @@ class BackupAndRestore(keras.callbacks.Callback):
                 print(f"BackupAndRestore: resuming from step {manifest['step']} "
                       f"(epoch {epoch}, step {step} within it)", flush=True)
         if self.save_before_preemption:
-            self._preemption = PreemptionWatcher(multi_worker=_is_multi_worker(strategy))
+            self._preemption = PreemptionWatcher(multi_worker=_is_multi_worker(strategy),
+                                                 model=self.model)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
@@ -125,9 +128,15 @@ class BackupAndRestore(keras.callbacks.Callback):
         steps = self.model.steps_per_execution
         self._step_in_epoch = batch + 1
         self._global_step += steps
+        # With steps_per_execution > 1 the step count can jump over a multiple.
+        if (self.save_freq != "epoch"
+                and self._global_step // self.save_freq
+                > (self._global_step - steps) // self.save_freq):
+            self._save_due = True
         if self._preemption is not None:
             stop_at = self._preemption.stop_step(self._global_step)
-            if stop_at is not None and self._global_step >= stop_at:
+            if (stop_at is not None and self._global_step >= stop_at
+                    and self._at_update_boundary()):
                 self._save()
                 # The SIGTERM handler stays installed: the launcher may signal this
                 # process again while it exits, and the default action would kill it.
@@ -136,21 +145,20 @@ class BackupAndRestore(keras.callbacks.Callback):
                           f"{self._global_step}, exiting with status {PREEMPTED_EXIT_CODE}",
                           flush=True)
                 raise SystemExit(PREEMPTED_EXIT_CODE)
-        # With steps_per_execution > 1 the step count can jump over a multiple.
-        if (self.save_freq != "epoch"
-                and self._global_step // self.save_freq
-                > (self._global_step - steps) // self.save_freq):
+        if self._save_due and self._at_update_boundary():
             self._save()
 
     def on_epoch_end(self, epoch, logs=None):
         self._epoch, self._step_in_epoch = epoch + 1, 0
-        self._save()
+        self._save_due = True
+        if self._at_update_boundary():
+            self._save()
 
     def on_train_end(self, logs=None):
         if self._preemption is not None:
             self._preemption.close()
             self._preemption = None
-        self.model._initial_epoch = None
+        _compat.set_initial_epoch(self.model, None)
         if self.delete_checkpoint and self._is_chief:
             self._store.delete_all()
 
@@ -160,7 +168,20 @@ class BackupAndRestore(keras.callbacks.Callback):
         return {"model": self.model.variables, "optimizer": self.model.optimizer.variables,
                 "metrics": self.model.metrics_variables}
 
+    def _at_update_boundary(self) -> bool:
+        """Whether no gradients wait in accumulators (`gradient_accumulation_steps`).
+
+        Backups are made only there, so they hold no half-accumulated gradients: a
+        backup is the same whatever the number of workers, and a run interrupted
+        between micro-steps resumes from the last update, bitwise. A save due between
+        micro-steps (save_freq, epoch end, preemption) waits for the next update step.
+        """
+        optimizer = getattr(self.model.optimizer, "inner_optimizer", self.model.optimizer)
+        steps = getattr(optimizer, "gradient_accumulation_steps", None)
+        return not steps or self._global_step % steps == 0
+
     def _save(self):
+        self._save_due = False
         # convert_to_tensor also reads metrics' SyncOnRead variables (aggregated over
         # replicas), which keras.ops.convert_to_numpy cannot.
         arrays = [(f"{group}/{i}", tf.convert_to_tensor(v.value).numpy())
@@ -184,10 +205,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
         def restore_skip_then_train(iterator):
             if deferred:
-                if not self.model.built or not self.model.optimizer.built or (
-                        self.model._compile_metrics is not None
-                        and not self.model._compile_metrics.built):
-                    self.model._symbolic_build(data_batch=iterator.element_spec)
+                _compat.build_for_data(self.model, iterator.element_spec)
                 self._assign(manifest, arrays, deferred)
                 deferred.clear()
             self._skipped_last_call = self._skip > 0
@@ -229,4 +247,4 @@ class BackupAndRestore(keras.callbacks.Callback):
 
 def _is_multi_worker(strategy) -> bool:
     return (isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
-            and strategy.extended._in_multi_worker_mode())
+            and _compat.in_multi_worker_mode(strategy))

@@ -10,11 +10,14 @@ all of them. No collective runs per step.
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
 
 import tensorflow as tf
-from tensorflow.python.eager import context
+
+from tf_distrib import _compat
 
 _STOP_MARGIN_STEPS = 2
 _POLL_MS = 1000
@@ -23,15 +26,25 @@ _POLL_MS = 1000
 class PreemptionWatcher:
     """Tells, at each step, whether this worker must save and exit now.
 
-    Installs a SIGTERM handler (main thread only) until `close()`.
+    Installs a SIGTERM handler (main thread only) until `close()`, or until the `fit`
+    that `model` runs has ended: Keras does not call `on_train_end` when `fit` raises,
+    so the handler checks that `fit` is still on the stack when a SIGTERM arrives,
+    and otherwise restores the previous handler and hands it the signal.
 
     Args:
         multi_worker: Whether peers must agree through the coordination service.
+        model: The Keras model whose `fit` is running. Defaults to None: the handler
+            stays until `close()`.
     """
 
     _runs = 0
+    _active: PreemptionWatcher | None = None
 
-    def __init__(self, multi_worker: bool):
+    def __init__(self, multi_worker: bool, model=None):
+        if PreemptionWatcher._active is not None:  # left behind by a fit that raised
+            PreemptionWatcher._active.close()
+        PreemptionWatcher._active = self
+        self._fit_frame = _find_fit_frame(model) if model is not None else None
         PreemptionWatcher._runs += 1
         self._key = f"tf_distrib/preemption/{PreemptionWatcher._runs}"
         self._multi_worker = multi_worker
@@ -47,12 +60,20 @@ class PreemptionWatcher:
                              daemon=True).start()
 
     def _on_sigterm(self, signum, frame):
-        self._signalled = True
+        if self._fit_frame is None or _on_stack(self._fit_frame, frame):
+            self._signalled = True
+            return
+        previous = self._previous
+        self.close()
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL:
+            os.kill(os.getpid(), signum)  # the default action, now restored
 
     def _watch(self):
         while not self._closed.is_set():
             try:
-                value = context.context().get_config_key_value(self._key, _POLL_MS)
+                value = _compat.coordination_service().get_config_key_value(self._key, _POLL_MS)
             except tf.errors.DeadlineExceededError:
                 continue
             except Exception:  # the cluster is shutting down; nothing left to watch
@@ -72,16 +93,37 @@ class PreemptionWatcher:
                 self._stop_at = step
             else:
                 try:
-                    context.context().set_config_key_value(
+                    _compat.coordination_service().set_config_key_value(
                         self._key, str(step + _STOP_MARGIN_STEPS))
                 except tf.errors.AlreadyExistsError:
                     pass  # a peer was first: its step holds for everyone
-                self._stop_at = int(context.context().get_config_key_value(self._key, 60_000))
+                self._stop_at = int(
+                    _compat.coordination_service().get_config_key_value(self._key, 60_000))
         return self._stop_at
 
     def close(self) -> None:
         """Stops watching and restores the previous SIGTERM handler."""
+        if PreemptionWatcher._active is self:
+            PreemptionWatcher._active = None
         self._closed.set()
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
             self._previous = None
+
+
+def _find_fit_frame(model) -> tuple[int, object] | None:
+    """(id, code) of the frame of `model.fit` that is calling us, if any."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model:
+            return id(frame), frame.f_code
+        frame = frame.f_back
+    return None
+
+
+def _on_stack(fit_frame, frame) -> bool:
+    while frame is not None:
+        if (id(frame), frame.f_code) == fit_frame:
+            return True
+        frame = frame.f_back
+    return False

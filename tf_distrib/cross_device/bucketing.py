@@ -10,62 +10,51 @@ import tensorflow as tf
 
 from tf_distrib._checks import check_int
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "ALONE_FROM_BYTES", "plan_buckets", "plan_backward_buckets",
-           "pack", "unpack"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "ALONE_FROM_BYTES", "plan_buckets", "pack", "unpack"]
 
 # PyTorch DDP's default bucket size.
 DEFAULT_BUCKET_BYTES = 25 * 2**20
-# Tensors this large travel alone: copying them into a bucket costs more than the
-# per-op overhead it saves (~25 us per op against ~5 GB/s of copying: ~128 KB break-even,
-# measured on CPU with `make bench` -> allreduce).
+# On one host (MirroredStrategy), tensors this large travel alone: copying them into a
+# bucket costs more than the per-op overhead it saves (~25 us per op against ~5 GB/s of
+# copying: ~128 KB break-even, measured on CPU with `make bench` -> allreduce).
 ALONE_FROM_BYTES = 2**17
 
 
 def plan_buckets(tensors, bucket_bytes: int,
-                 alone_from_bytes: int = ALONE_FROM_BYTES) -> list[list[int]]:
-    """Groups tensor indices into buckets of one dtype and at most `bucket_bytes` each.
+                 alone_from_bytes: int | None = None) -> list[list[int]]:
+    """Groups tensor indices into buckets, in the order backward computes the tensors.
 
-    Tensors keep their order inside a bucket; one of `alone_from_bytes` or more (or
-    larger than `bucket_bytes`) gets a bucket of its own, which packs without a copy.
+    Walking from the last tensor to the first (backward computes the last layer's
+    gradients first: PyTorch DDP's order), tensors join the open bucket until it would
+    exceed `bucket_bytes` or the dtype changes, which starts a new one. A tensor of
+    `alone_from_bytes` or more, when given, travels in a bucket of its own and leaves
+    the open bucket open. Buckets come out in the order they are complete (the first
+    can travel while backward goes on); indices inside a bucket are ascending, the
+    order `pack` expects.
+
+    Args:
+        tensors: Anything with `.shape` and `.dtype`.
+        bucket_bytes: The largest bucket, in bytes; one larger tensor fills one alone.
+        alone_from_bytes: Tensors of this many bytes or more travel alone. Defaults to
+            None: every tensor joins the open bucket.
     """
     check_int("bucket_bytes", bucket_bytes)
-    open_buckets: dict[tf.DType, tuple[list[int], int]] = {}
-    buckets = []
-    for i, t in enumerate(tensors):
-        nbytes = _nbytes(t)
-        if nbytes >= alone_from_bytes:
+    buckets, members, used = [], [], 0
+    for i in reversed(range(len(tensors))):
+        nbytes = _nbytes(tensors[i])
+        if alone_from_bytes is not None and nbytes >= alone_from_bytes:
             buckets.append([i])
             continue
-        members, used = open_buckets.get(t.dtype, ([], 0))
-        if members and used + nbytes > bucket_bytes:
+        if members and (used + nbytes > bucket_bytes
+                        or tensors[i].dtype != tensors[members[0]].dtype):
             buckets.append(members)
             members, used = [], 0
-        open_buckets[t.dtype] = (members + [i], used + nbytes)
-    buckets += [members for members, _ in open_buckets.values() if members]
-    return sorted(buckets, key=lambda b: b[0])
-
-
-def plan_backward_buckets(tensors, bucket_bytes: int) -> list[list[int]]:
-    """Buckets of consecutive tensor indices, last tensor first (PyTorch DDP's order).
-
-    Backward computes gradients from the last layer to the first, so the first bucket
-    is ready first and can travel while backward goes on. A bucket holds one dtype
-    and at most `bucket_bytes`, unless one tensor alone is larger. Indices in each
-    bucket are ascending (the order `pack` expects).
-    """
-    check_int("bucket_bytes", bucket_bytes)
-    buckets, members, used, dtype = [], [], 0, None
-    for i in reversed(range(len(tensors))):
-        t = tensors[i]
-        if members and (t.dtype != dtype or used + _nbytes(t) > bucket_bytes):
-            buckets.append(members[::-1])
-            members, used = [], 0
         members.append(i)
-        used += _nbytes(t)
-        dtype = t.dtype
+        used += nbytes
     if members:
-        buckets.append(members[::-1])
-    return buckets
+        buckets.append(members)
+    # Complete once their lowest index (the last one backward computes) exists.
+    return sorted((sorted(b) for b in buckets), key=lambda b: -b[0])
 
 
 def pack(tensors) -> tf.Tensor:

@@ -18,7 +18,8 @@ import functools
 
 import tensorflow as tf
 
-__all__ = ["Compressor", "NoCompression", "CastCompressor", "get_compressor", "COMPRESSIONS"]
+__all__ = ["Compressor", "NoCompression", "CastCompressor", "get_compressor", "COMPRESSIONS",
+           "encode_for_sum", "decode_sum", "scale"]
 
 _FP16_MAX = 65504.0
 
@@ -59,7 +60,6 @@ def _cast(tensor, dtype, clip=None):
 class Compressor:
     """Turns a tensor into a cheaper one for transport and back."""
 
-    name = "none"
     #: Relative error bound of one value's round trip.
     relative_error = 0.0
     #: Whether reductions must send x / N (and scale back) to stay within range.
@@ -89,7 +89,6 @@ class CastCompressor(Compressor):
         self.dtype = tf.as_dtype(dtype)
         if self.dtype not in (tf.bfloat16, tf.float16):
             raise ValueError(f"CastCompressor compresses to bfloat16 or float16, got {dtype!r}.")
-        self.name = self.dtype.name
         self.relative_error = 2.0 ** -8 if self.dtype == tf.bfloat16 else 2.0 ** -11
         self.prescale = self.dtype == tf.float16
 
@@ -129,3 +128,37 @@ def get_compressor(compression) -> Compressor:
         return COMPRESSIONS[compression]()
     raise ValueError(f"compression must be one of {sorted(COMPRESSIONS)}, None or a "
                      f"Compressor, got {compression!r}.")
+
+
+def encode_for_sum(compressor: Compressor, tensor, num_replicas: int):
+    """What one replica sends into a SUM across `num_replicas`: (wire tensor, ctx).
+
+    Compressors with `prescale` (float16) send x / N, so the sum cannot leave the range
+    its inputs fit in; `decode_sum` scales back. Every reduction path (MirroredStrategy's
+    `CompressedAllReduce`, the MWMS gradient path, the transport) goes through this pair.
+    """
+    return compressor.compress(scale(tensor, 1.0 / num_replicas) if _prescales(
+        compressor, tensor) else tensor)
+
+
+def decode_sum(compressor: Compressor, tensor, ctx, num_replicas: int, mean: bool = False):
+    """The SUM (or MEAN, with `mean`) from a reduced wire tensor of `encode_for_sum`."""
+    tensor = compressor.decompress(tensor, ctx)
+    factor = (num_replicas if _prescales(compressor, tensor) else 1.0) / (
+        num_replicas if mean else 1.0)
+    return scale(tensor, factor)
+
+
+def _prescales(compressor: Compressor, tensor) -> bool:
+    values = tensor.values if isinstance(tensor, tf.IndexedSlices) else tensor
+    return compressor.prescale and values.dtype.is_floating
+
+
+def scale(value, factor: float):
+    """`value` (a tensor or IndexedSlices) times `factor`; `value` itself when factor is 1."""
+    if factor == 1.0:
+        return value
+    if isinstance(value, tf.IndexedSlices):
+        return tf.IndexedSlices(value.values * tf.cast(factor, value.values.dtype),
+                                value.indices, value.dense_shape)
+    return value * tf.cast(factor, value.dtype)

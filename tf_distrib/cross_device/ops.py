@@ -19,13 +19,17 @@ strategy = tf.distribute.MirroredStrategy(
 from __future__ import annotations
 
 import tensorflow as tf
-from tensorflow.python.distribute import device_util, distribute_utils
-from tensorflow.python.distribute import values as value_lib
-from tensorflow.python.distribute.cross_device_ops import get_devices_from
 
+from tf_distrib import _compat
 from tf_distrib._checks import check_int
 from tf_distrib.cross_device import bucketing
-from tf_distrib.cross_device.compression import Compressor, get_compressor
+from tf_distrib.cross_device.compression import (
+    Compressor,
+    decode_sum,
+    encode_for_sum,
+    get_compressor,
+    scale,
+)
 
 __all__ = ["CompressedAllReduce", "BucketedAllReduce", "RingAllReduce"]
 
@@ -34,14 +38,6 @@ def _default_inner(devices) -> tf.distribute.CrossDeviceOps:
     if any("GPU" in d.upper() for d in devices):
         return tf.distribute.NcclAllReduce()
     return tf.distribute.ReductionToOneDevice()
-
-
-def _mirrored(components):
-    return distribute_utils.regroup(tuple(components), wrap_class=value_lib.Mirrored)
-
-
-def _per_replica(components):
-    return value_lib.PerReplica(tuple(components))
 
 
 class _LocalReduce(tf.distribute.CrossDeviceOps):
@@ -78,7 +74,7 @@ class _LocalReduce(tf.distribute.CrossDeviceOps):
         results = [None] * len(value_destination_pairs)
         local, delegated = [], []
         for i, (value, destinations) in enumerate(value_destination_pairs):
-            devices = _canonical(get_devices_from(destinations))
+            devices = _canonical(_compat.devices_of(destinations))
             own = _canonical(v.device for v in value.values)
             if devices == own and len(own) > 1 and self._handles(value.values[0]):
                 local.append(i)
@@ -92,20 +88,20 @@ class _LocalReduce(tf.distribute.CrossDeviceOps):
                 results[i] = r
         if delegated:
             pairs = [value_destination_pairs[i] for i in delegated]
-            devices = get_devices_from(pairs[0][1])
+            devices = _compat.devices_of(pairs[0][1])
             reduced = self.inner(devices).batch_reduce_implementation(reduce_op, pairs, options)
             for i, r in zip(delegated, reduced, strict=True):
                 results[i] = r
         return results
 
     def _gather_implementation(self, per_replica_value, destinations, axis, options):
-        devices = get_devices_from(destinations)
+        devices = _compat.devices_of(destinations)
         return self.inner(devices)._gather_implementation(per_replica_value, destinations,
                                                           axis, options)
 
 
 def _canonical(devices) -> tuple[str, ...]:
-    return tuple(device_util.canonicalize(d) for d in devices)
+    return tuple(_compat.canonical_device(d) for d in devices)
 
 
 def _is_dense_float(value) -> bool:
@@ -136,37 +132,26 @@ class CompressedAllReduce(_LocalReduce):
 
     def _reduce_local(self, reduce_op, values, devices, options):
         n = len(devices)
-        prescale = 1.0 / n if self.compressor.prescale else 1.0
         compressed, contexts = [], []
         for value in values:
             parts = []
             for component in value.values:
                 with tf.device(component.device):
-                    part, ctx = self.compressor.compress(_scale(component, prescale))
+                    part, ctx = encode_for_sum(self.compressor, component, n)
                 parts.append(part)
-            compressed.append(_per_replica(parts))
+            compressed.append(_compat.per_replica(parts))
             contexts.append(ctx)
         reduced = self.inner(devices).batch_reduce_implementation(
             tf.distribute.ReduceOp.SUM, [(c, c) for c in compressed], options)
-        # The inner sum is prescale * S: SUM wants S, MEAN wants S / n.
-        scale = 1.0 / prescale if reduce_op == tf.distribute.ReduceOp.SUM else 1.0 / (prescale * n)
+        mean = reduce_op == tf.distribute.ReduceOp.MEAN
         results = []
         for mirrored, ctx in zip(reduced, contexts, strict=True):
             parts = []
             for component in mirrored.values:
                 with tf.device(component.device):
-                    parts.append(_scale(self.compressor.decompress(component, ctx), scale))
-            results.append(_mirrored(parts))
+                    parts.append(decode_sum(self.compressor, component, ctx, n, mean))
+            results.append(_compat.mirrored(parts))
         return results
-
-
-def _scale(value, factor: float):
-    if factor == 1.0:
-        return value
-    if isinstance(value, tf.IndexedSlices):
-        return tf.IndexedSlices(value.values * tf.cast(factor, value.values.dtype),
-                                value.indices, value.dense_shape)
-    return value * tf.cast(factor, value.dtype)
 
 
 class BucketedAllReduce(_LocalReduce):
@@ -189,14 +174,15 @@ class BucketedAllReduce(_LocalReduce):
         return _is_dense_float(value)
 
     def _reduce_local(self, reduce_op, values, devices, options):
-        plan = bucketing.plan_buckets([v.values[0] for v in values], self.bucket_bytes)
+        plan = bucketing.plan_buckets([v.values[0] for v in values], self.bucket_bytes,
+                                      alone_from_bytes=bucketing.ALONE_FROM_BYTES)
         buckets = []
         for members in plan:
             parts = []
             for r, device in enumerate(devices):
                 with tf.device(device):
                     parts.append(bucketing.pack([values[i].values[r] for i in members]))
-            buckets.append(_per_replica(parts))
+            buckets.append(_compat.per_replica(parts))
         reduced = self.inner(devices).batch_reduce_implementation(
             reduce_op, [(b, b) for b in buckets], options)
         results = [None] * len(values)
@@ -207,7 +193,7 @@ class BucketedAllReduce(_LocalReduce):
                     per_device.append(bucketing.unpack(
                         component, [values[i].values[r] for i in members]))
             for k, i in enumerate(members):
-                results[i] = _mirrored([parts[k] for parts in per_device])
+                results[i] = _compat.mirrored([parts[k] for parts in per_device])
         return results
 
 
@@ -232,8 +218,8 @@ class RingAllReduce(_LocalReduce):
             else:
                 parts = _ring_sum(list(value.values), devices)
             if reduce_op == tf.distribute.ReduceOp.MEAN:
-                parts = [_scale(p, 1.0 / len(devices)) for p in parts]
-            results.append(_mirrored(parts))
+                parts = [scale(p, 1.0 / len(devices)) for p in parts]
+            results.append(_compat.mirrored(parts))
         return results
 
 

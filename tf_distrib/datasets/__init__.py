@@ -10,6 +10,15 @@ dataset = td.data.distribute_dataset(strategy, source, global_batch_size=64)
 ```
 """
 
-from tf_distrib.datasets.blobs import NAME, prepare
+from tf_distrib.datasets.blobs import (
+    NAME,
+    NUM_CLASSES,
+    NUM_EXAMPLES,
+    NUM_FEATURES,
+    build_model,
+    make_data,
+    prepare,
+)
 
-__all__ = ["NAME", "prepare"]
+__all__ = ["NAME", "NUM_CLASSES", "NUM_EXAMPLES", "NUM_FEATURES", "build_model", "make_data",
+           "prepare"]

@@ -1,21 +1,51 @@
-"""`tf_distrib_blobs`: a TFDS dataset of 4-class Gaussian blobs in 16 dimensions.
+"""`tf_distrib_blobs`: 4-class Gaussian blobs in 16 dimensions, and a model for them.
 
-Generated from a fixed seed (the same data as `tf_distrib.demo.make_data`), so it
-builds offline in a second and is identical everywhere. Each example has "features"
-(16 float32), "label" (0-3) and "id" (its index in the split, for exactly-once checks).
+`make_data` generates the examples from a fixed seed as numpy arrays; `prepare` builds
+the same data as a TFDS dataset offline in a second, identical everywhere. Each TFDS
+example has "features" (16 float32), "label" (0-3) and "id" (its index in the split,
+for exactly-once checks). `build_model` is the small classifier the demo, the
+notebooks and the tests train on it.
 """
 
 from __future__ import annotations
 
 NAME = "tf_distrib_blobs"
 SPLITS = {"train": (4096, 0), "test": (1024, 1)}  # examples, seed
+NUM_EXAMPLES = SPLITS["train"][0]
+NUM_FEATURES = 16
+NUM_CLASSES = 4
+
+
+def make_data(num_examples: int = NUM_EXAMPLES, seed: int = 0):
+    """A generated 4-class problem: Gaussian blobs in 16 dimensions (numpy arrays)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    centers = rng.normal(0.0, 2.0, size=(NUM_CLASSES, NUM_FEATURES))
+    y = rng.integers(0, NUM_CLASSES, size=num_examples)
+    x = centers[y] + rng.normal(0.0, 1.5, size=(num_examples, NUM_FEATURES))
+    return x.astype("float32"), y.astype("int32")
+
+
+def build_model():
+    """A compiled MLP 16-64-64-4 for the blobs (SGD with momentum, sparse labels, accuracy)."""
+    import keras
+
+    model = keras.Sequential([
+        keras.Input((NUM_FEATURES,)),
+        keras.layers.Dense(64, activation="relu"),
+        keras.layers.Dense(64, activation="relu"),
+        keras.layers.Dense(NUM_CLASSES),
+    ])
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
 
 
 def _builder_class():
     import numpy as np
     import tensorflow_datasets as tfds
-
-    from tf_distrib.demo import NUM_CLASSES, NUM_FEATURES, make_data
 
     class TfDistribBlobs(tfds.core.GeneratorBasedBuilder):
         """4-class Gaussian blobs in 16 dimensions, generated locally."""

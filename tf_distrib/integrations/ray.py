@@ -46,8 +46,9 @@ except ImportError as e:  # pragma: no cover - depends on the installed extras
         "`pip install \"tf_distrib[ray]\"`."
     ) from e
 
+from tf_distrib import _compat
 from tf_distrib._checks import check_int
-from tf_distrib.launch.launcher import ENV_NUM_WORKERS, ENV_WORKER_INDEX
+from tf_distrib.contract import ENV_NUM_WORKERS, ENV_WORKER_INDEX
 
 __all__ = ["make_trainer", "prepare_worker", "run_dir", "backup_dir"]
 
@@ -80,8 +81,7 @@ def run_dir() -> str:
             local or shared paths, gs:// and s3:// map to TensorFlow paths).
         RuntimeError: (from Ray) outside a Ray Train training function.
     """
-    storage = ray.train.get_context().get_storage()
-    return _gfile_path(storage.storage_filesystem.type_name, storage.experiment_fs_path)
+    return _gfile_path(*_compat.ray_run_storage(ray.train.get_context()))
 
 
 def _gfile_path(filesystem: str, path: str) -> str:

@@ -4,19 +4,16 @@ The library side (`launch()`) is separate from the command line (`cli.py`) so th
 notebooks and tests reuse exactly what `tf-distrib launch` runs.
 """
 
-from tf_distrib.launch.errors import LaunchError
-from tf_distrib.launch.launcher import (
+from tf_distrib.contract import (
     ENV_ATTEMPT,
     ENV_MAX_RESTARTS,
     ENV_NUM_WORKERS,
     ENV_STARTUP_TIMEOUT,
     ENV_WORKER_INDEX,
     PREEMPTED_EXIT_CODE,
-    Attempt,
-    LaunchResult,
-    WorkerResult,
-    launch,
 )
+from tf_distrib.launch.errors import LaunchError
+from tf_distrib.launch.launcher import Attempt, LaunchResult, WorkerResult, launch
 
 __all__ = ["launch", "LaunchResult", "Attempt", "WorkerResult", "LaunchError",
            "ENV_WORKER_INDEX", "ENV_NUM_WORKERS", "ENV_ATTEMPT", "ENV_MAX_RESTARTS",

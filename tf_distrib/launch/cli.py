@@ -8,7 +8,7 @@ import json
 import sys
 
 from tf_distrib.launch.errors import LaunchError
-from tf_distrib.launch.job import JobConfig, load_job_file
+from tf_distrib.launch.job import DEFAULTS, JobConfig, load_job_file
 from tf_distrib.launch.launcher import launch
 
 _EPILOG = """\
@@ -32,20 +32,24 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run a training script on N local workers with TF_CONFIG; restart "
                     "the group when a worker fails.")
-    p.add_argument("-n", "--num-workers", type=int, help="workers on this host (default 1)")
-    p.add_argument("--max-restarts", type=int, help="restarts after failures (default 0)")
+    p.add_argument("-n", "--num-workers", type=int,
+                   help=f"workers on this host (default {DEFAULTS.num_workers})")
+    p.add_argument("--max-restarts", type=int,
+                   help=f"restarts after failures (default {DEFAULTS.max_restarts})")
     p.add_argument("--startup-timeout", type=float,
-                   help="seconds for each worker to start TensorFlow's server (default 300; "
-                        "0 disables the check)")
+                   help="seconds for each worker to start TensorFlow's server (default "
+                        f"{DEFAULTS.startup_timeout:g}; 0 disables the check)")
     p.add_argument("--grace-period", type=float,
-                   help="seconds between SIGTERM and SIGKILL when stopping (default 5)")
+                   help="seconds between SIGTERM and SIGKILL when stopping "
+                        f"(default {DEFAULTS.grace_period:g})")
     p.add_argument("--timeout", type=float, help="limit for the whole launch in seconds")
     p.add_argument("--summary-file", help="write a JSON summary of the attempts here")
     p.add_argument("--config", help="job file (YAML or JSON); flags override it")
     p.add_argument("--hosts", help="static multi-host launch: comma-separated host[:port] "
                                    "list, identical on every host")
     p.add_argument("--host-index", type=int, help="this host's position in --hosts")
-    p.add_argument("--base-port", type=int, help="first port of each host (default 29400)")
+    p.add_argument("--base-port", type=int,
+                   help=f"first port of each host (default {DEFAULTS.base_port})")
     p.add_argument("-m", dest="module", help="run a module instead of a script")
     p.add_argument("script", nargs="?", help="training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")

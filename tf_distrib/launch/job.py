@@ -24,7 +24,11 @@ from tf_distrib.launch.errors import LaunchError
 
 @dataclasses.dataclass
 class JobConfig:
-    """Everything `tf-distrib launch` needs; the command line overrides a job file."""
+    """Everything `tf-distrib launch` needs; the command line overrides a job file.
+
+    Its field defaults are the launcher's defaults, for the command line, job files,
+    `launch()` and `tf_distrib.testing` alike (`DEFAULTS`).
+    """
 
     script: str | None = None
     module: str | None = None
@@ -47,6 +51,7 @@ class JobConfig:
         return ["-m", self.module] if self.module else self.script
 
 
+DEFAULTS = JobConfig()
 _FIELDS = {f.name for f in dataclasses.fields(JobConfig)}
 
 

@@ -15,21 +15,18 @@ from typing import Any
 
 from tf_distrib import cluster as cluster_lib
 from tf_distrib._checks import check_int, is_int
+from tf_distrib.contract import (
+    ENV_ATTEMPT,
+    ENV_MAX_RESTARTS,
+    ENV_NUM_WORKERS,
+    ENV_STARTUP_TIMEOUT,
+    ENV_WORKER_INDEX,
+    PREEMPTED_EXIT_CODE,
+)
 from tf_distrib.launch import targets
 from tf_distrib.launch.errors import LaunchError
+from tf_distrib.launch.job import DEFAULTS
 from tf_distrib.launch.process_group import ProcessGroup
-
-# Environment variables every worker gets (besides TF_CONFIG), like torchrun's
-# RANK / WORLD_SIZE / TORCHELASTIC_RESTART_COUNT.
-ENV_WORKER_INDEX = "TF_DISTRIB_WORKER_INDEX"
-ENV_NUM_WORKERS = "TF_DISTRIB_NUM_WORKERS"
-ENV_ATTEMPT = "TF_DISTRIB_ATTEMPT"
-ENV_MAX_RESTARTS = "TF_DISTRIB_MAX_RESTARTS"
-ENV_STARTUP_TIMEOUT = "TF_DISTRIB_STARTUP_TIMEOUT"
-
-# Exit status of a worker that saved a backup on SIGTERM (preemption). Its peers save
-# at the same step and exit on their own, so the launcher waits for them first.
-PREEMPTED_EXIT_CODE = 42
 
 _POLL_SECONDS = 0.1
 
@@ -123,12 +120,13 @@ class LaunchResult:
 
 
 def launch(target: str | Sequence[str] | Callable, num_workers: int, *,
-           args: Sequence = (), kwargs: Mapping | None = None, max_restarts: int = 0,
-           startup_timeout: float | None = 300.0,
-           grace_period: float = 5.0, timeout: float | None = None,
+           args: Sequence = (), kwargs: Mapping | None = None,
+           max_restarts: int = DEFAULTS.max_restarts,
+           startup_timeout: float | None = DEFAULTS.startup_timeout,
+           grace_period: float = DEFAULTS.grace_period, timeout: float | None = DEFAULTS.timeout,
            env: Mapping[str, str] | None = None, host: str = "127.0.0.1",
-           hosts: Sequence[str] | None = None, host_index: int = 0, base_port: int = 29400,
-           quiet: bool = False) -> LaunchResult:
+           hosts: Sequence[str] | None = None, host_index: int = DEFAULTS.host_index,
+           base_port: int = DEFAULTS.base_port, quiet: bool = False) -> LaunchResult:
     """Runs `target` on `num_workers` worker processes with TF_CONFIG; restarts on failure.
 
     Each worker gets its TF_CONFIG on fresh free ports (per attempt) and the variables

@@ -41,7 +41,6 @@ class WorkerProcess:
         self.process = subprocess.Popen(
             list(argv), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, start_new_session=True)
-        self.signalled_by_launcher: int | None = None
         self._readers = [threading.Thread(target=self._pump, args=(pipe, name), daemon=True)
                          for pipe, name in ((self.process.stdout, "stdout"),
                                             (self.process.stderr, "stderr"))]
@@ -71,9 +70,7 @@ class WorkerProcess:
         try:
             os.killpg(self.process.pid, signum)
         except ProcessLookupError:
-            return
-        if self.signalled_by_launcher is None:
-            self.signalled_by_launcher = signum
+            pass
 
     def finish_output(self, timeout: float = 5.0) -> None:
         """Waits until everything the worker printed has been streamed."""

@@ -1,0 +1,300 @@
+"""tf_distrib's transport in real worker processes: sums, failures, authentication, fuzzing."""
+
+import hashlib
+import os
+import random
+import socket
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from tf_distrib import transport
+from tf_distrib.testing import run_workers
+from tf_distrib.transport import wire
+from tf_distrib.transport.buffers import BufferPool, Layout
+from tf_distrib.transport.connection import Connection
+from tf_distrib.transport.errors import Peer
+
+pytestmark = pytest.mark.multiprocess
+
+DTYPES = {"float32": np.float32, "float16": np.float16}
+
+
+def _inputs(rank, sizes, dtype_name):
+    import ml_dtypes
+
+    dtype = ml_dtypes.bfloat16 if dtype_name == "bfloat16" else np.dtype(dtype_name)
+    rng = np.random.default_rng(rank)
+    return [(rng.standard_normal(n) * 4).astype(dtype) for n in sizes]
+
+
+def sum_on_workers(directory, mode, sizes, dtype_name, repeats=2, secret=b"job secret"):
+    """Runs in each worker: all-reduces the same buckets `repeats` times."""
+    rank = int(os.environ["TF_DISTRIB_WORKER_INDEX"])
+    world = int(os.environ["TF_DISTRIB_NUM_WORKERS"])
+    t = transport.connect(rank, [f"worker:{r}" for r in range(world)], "127.0.0.1",
+                          transport.FileStore(directory), secret=secret, mode=mode, timeout=30)
+    try:
+        arrays = _inputs(rank, sizes, dtype_name)
+        for _ in range(repeats):
+            result = [np.array(r) for r in t.all_reduce(arrays)]
+        return {"mode": t.mode, "sums": result, "stats": t.stats}
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("mode", ["shm", "tcp"])
+def test_sums_are_exact_and_bitwise_identical(tmp_path, mode, world):
+    # Bucket sizes from 1 element up; lengths that do not divide by the worker count.
+    sizes = [1, 7, 1000, 65_537]
+    workers = run_workers(sum_on_workers, world, args=(str(tmp_path), mode, sizes, "float32"),
+                          startup_timeout=None, quiet=True, timeout=120)
+    inputs = [_inputs(r, sizes, "float32") for r in range(world)]
+    for w in workers:
+        assert w.value["mode"] == mode
+        assert w.value["stats"].collectives == 2
+        for k, got in enumerate(w.value["sums"]):
+            reference = sum(x[k].astype(np.float64) for x in inputs)
+            np.testing.assert_allclose(got, reference, rtol=1e-6, atol=1e-5 * world)
+            assert got.dtype == np.float32 and got.shape == (sizes[k],)
+    digests = {hashlib.sha256(b"".join(s.tobytes() for s in w.value["sums"])).hexdigest()
+               for w in workers}
+    assert len(digests) == 1
+
+
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float16"])
+@pytest.mark.parametrize("mode", ["shm", "tcp"])
+def test_16_bit_sums_stay_within_one_rounding_per_hop(tmp_path, mode, dtype_name):
+    world, sizes = 3, [5, 40_001]
+    workers = run_workers(sum_on_workers, world, args=(str(tmp_path), mode, sizes, dtype_name),
+                          startup_timeout=None, quiet=True, timeout=120)
+    inputs = [_inputs(r, sizes, dtype_name) for r in range(world)]
+    relative = 2.0 ** -8 if dtype_name == "bfloat16" else 2.0 ** -11
+    for w in workers:
+        for k, got in enumerate(w.value["sums"]):
+            reference = sum(x[k].astype(np.float64) for x in inputs)
+            magnitude = sum(np.abs(x[k].astype(np.float64)) for x in inputs)
+            # shm rounds once; the ring rounds each of its N-1 partial sums.
+            bound = relative * (1 if mode == "shm" else world - 1) * magnitude
+            assert np.all(np.abs(got.astype(np.float64) - reference) <= bound)
+    assert len({b"".join(s.tobytes() for s in w.value["sums"]) for w in workers}) == 1
+
+
+def test_a_worker_that_cannot_listen_makes_every_worker_fall_back(tmp_path):
+    def connect(directory):
+        rank = int(os.environ["TF_DISTRIB_WORKER_INDEX"])
+        host = "127.0.0.1" if rank == 0 else "192.0.2.1"  # TEST-NET: not on this host
+        try:
+            transport.connect(rank, ["worker:0", "worker:1"], host,
+                              transport.FileStore(directory), secret=b"s", timeout=20)
+        except transport.TransportUnavailable as e:
+            return str(e)
+
+    messages = [w.value for w in run_workers(connect, 2, args=(str(tmp_path),),
+                                             startup_timeout=None, quiet=True)]
+    assert all("worker:1 cannot listen on its TF_CONFIG host '192.0.2.1'" in m
+               for m in messages)
+
+
+def lose_a_peer(directory, how, peer_timeout):
+    """Worker 1 dies (SIGKILL) or freezes (SIGSTOP) between two collectives."""
+    import signal
+
+    rank = int(os.environ["TF_DISTRIB_WORKER_INDEX"])
+    world = int(os.environ["TF_DISTRIB_NUM_WORKERS"])
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # let the survivors report
+    t = transport.connect(rank, [f"worker:{r}" for r in range(world)], "127.0.0.1",
+                          transport.FileStore(directory), secret=b"s", mode="tcp",
+                          peer_timeout=peer_timeout, timeout=30)
+    data = [np.ones(3_000_000, np.float32)]
+    t.all_reduce(data)
+    if rank == 1:
+        with open(os.path.join(directory, "pid"), "w") as f:
+            f.write(str(os.getpid()))
+        os.kill(os.getpid(), getattr(signal, how))
+    start = time.monotonic()
+    try:
+        t.all_reduce(data)
+    except transport.PeerLostError as e:
+        lost = {"seconds": time.monotonic() - start, "error": str(e)}
+    if rank == 0:  # a stopped worker would otherwise wait for the launcher's timeout
+        with open(os.path.join(directory, "pid")) as f:
+            os.kill(int(f.read()), signal.SIGKILL)
+    return lost
+
+
+@pytest.mark.parametrize("how, limit", [("SIGKILL", 2.0), ("SIGSTOP", 3.0 + 2.5)])
+def test_a_lost_peer_fails_every_survivor_in_bounded_time_naming_it(tmp_path, how, limit):
+    from tf_distrib.launch import launch
+
+    result = launch(lose_a_peer, 3, args=(str(tmp_path), how, 3.0), startup_timeout=None,
+                    quiet=True, timeout=60, grace_period=30)
+    assert result.exit_codes == [[0, -9, 0]]
+    for survivor in (result.workers[0], result.workers[2]):
+        lost = survivor.value
+        assert lost["seconds"] < limit, lost
+        # Every survivor names worker 1, whether it noticed first or was told by a peer.
+        assert "worker:1 (127.0.0.1:" in lost["error"], lost
+        if how == "SIGSTOP":
+            assert "sent nothing for" in lost["error"]
+
+
+def test_wrong_secret_is_refused_and_logged(tmp_path):
+    def connect(directory):
+        import logging
+
+        logging.basicConfig(level=logging.WARNING)
+        rank = int(os.environ["TF_DISTRIB_WORKER_INDEX"])
+        try:
+            transport.connect(rank, ["worker:0", "worker:1"], "127.0.0.1",
+                              transport.FileStore(directory),
+                              secret=b"right" if rank == 0 else b"wrong", timeout=5)
+        except transport.TransportError as e:
+            return type(e).__name__, str(e)
+
+    workers = run_workers(connect, 2, args=(str(tmp_path),), startup_timeout=None, quiet=True)
+    (kind0, message0), (kind1, message1) = (w.value for w in workers)
+    assert kind1 == "AuthenticationError" and "could not prove" in message1
+    assert kind0 == "TransportError" and "no authenticated connection from worker:1" in message0
+    assert "refused a connection: a connection from 127.0.0.1" in "".join(workers[0].output)
+
+
+def test_a_stranger_sending_garbage_is_refused_and_the_mesh_still_forms(tmp_path):
+    def connect(directory):
+        rank = int(os.environ["TF_DISTRIB_WORKER_INDEX"])
+        if rank == 1:
+            time.sleep(3)  # the stranger gets there first
+        t = transport.connect(rank, ["worker:0", "worker:1"], "127.0.0.1",
+                              transport.FileStore(directory), secret=b"s", timeout=30)
+        [total] = t.all_reduce([np.full(10, rank + 1.0, np.float32)])
+        t.close()
+        return float(total[0])
+
+    def stranger():
+        store = transport.FileStore(str(tmp_path))
+        info = store.get("tf_distrib/transport/0", 30)
+        import json
+
+        host, _, port = json.loads(info)["address"].rpartition(":")
+        for blob in (os.urandom(100), wire.header(wire.Kind.HELLO, length=36) + os.urandom(36)):
+            with socket.create_connection((host, int(port))) as s:
+                s.sendall(blob)
+                s.settimeout(5)
+                try:
+                    assert s.recv(1000) == b""  # closed without a word
+                except ConnectionResetError:
+                    pass
+
+    thread = threading.Thread(target=stranger)
+    thread.start()
+    workers = run_workers(connect, 2, args=(str(tmp_path),), startup_timeout=None, quiet=True)
+    thread.join()
+    assert [w.value for w in workers] == [3.0, 3.0]
+    log = "".join(workers[0].output)
+    assert log.count("refused a connection: a connection from 127.0.0.1") == 2
+    assert "claims rank" in log and "not tf_distrib's" in log
+
+
+# In-process: one Connection over a socket pair, the other end played by the test.
+
+@pytest.fixture
+def link():
+    ours, theirs = socket.socketpair()
+    connection = Connection(ours, Peer(1, "worker:1", "127.0.0.1:1"), peer_timeout=2.0)
+    yield connection, theirs
+    connection.close(timeout=0.5)
+    theirs.close()
+
+
+def test_a_frame_for_another_collective_is_a_protocol_error(link):
+    connection, theirs = link
+    target = np.zeros(4, np.float32)
+    request = connection.post(wire.Kind.DATA, 5, 0, target)
+    theirs.sendall(wire.header(wire.Kind.DATA, 6, 0, 16) + b"\0" * 16)
+    with pytest.raises(transport.ProtocolError, match="frame 6/0 of 16 bytes.*expects DATA "
+                                                      "frame 5/0 of 16 bytes"):
+        connection.wait(request)
+    assert not target.any()
+
+
+def test_a_truncated_frame_loses_the_peer(link):
+    connection, theirs = link
+    request = connection.post(wire.Kind.DATA, 0, 0, np.zeros(4, np.float32))
+    theirs.sendall(wire.header(wire.Kind.DATA, 0, 0, 16) + b"\1" * 7)
+    theirs.shutdown(socket.SHUT_WR)
+    with pytest.raises(transport.PeerLostError, match="in the middle of a frame .7 of 16"):
+        connection.wait(request)
+
+
+def test_silence_loses_the_peer_after_the_timeout(link):
+    connection, _ = link
+    request = connection.post(wire.Kind.DATA, 0, 0, np.zeros(4, np.float32))
+    start = time.monotonic()
+    with pytest.raises(transport.PeerLostError, match="sent nothing for 2 s"):
+        connection.wait(request)
+    assert 2.0 <= time.monotonic() - start < 4.0
+
+
+def test_fuzzed_frames_raise_transport_errors_never_wrong_data():
+    rng = random.Random(0)
+    for trial in range(150):
+        ours, theirs = socket.socketpair()
+        connection = Connection(ours, Peer(1, "worker:1"), peer_timeout=1.0)
+        target = np.zeros(8, np.float32)
+        request = connection.post(wire.Kind.DATA, 3, 1, target)
+        kind = rng.choice(["random", "header", "flip"])
+        if kind == "random":
+            blob = os.urandom(rng.randrange(1, 80))
+        elif kind == "header":
+            blob = struct.pack("!4sBBHQQ", rng.choice([wire.MAGIC, b"XXXX"]),
+                               rng.choice([1, 2]), rng.randrange(0, 12), rng.randrange(3),
+                               rng.randrange(5), rng.choice([0, 31, 32, 33, 1 << 40]))
+            blob += os.urandom(rng.randrange(0, 40))
+        else:
+            good = bytearray(wire.header(wire.Kind.DATA, 3, 1, 32) + b"\x01" * 32)
+            good[rng.randrange(24)] ^= 1 << rng.randrange(8)
+            blob = bytes(good)
+        theirs.sendall(blob)
+        theirs.shutdown(socket.SHUT_WR)
+        try:
+            connection.wait(request)
+        except transport.TransportError:
+            assert not target.any() or kind == "flip"
+        else:
+            # Only an intact frame for exactly this collective may be accepted.
+            assert blob[:24] == wire.header(wire.Kind.DATA, 3, 1, 32), (trial, blob[:24])
+        connection.close(timeout=0.2)
+        theirs.close()
+
+
+def test_parse_header_rejects_anything_malformed():
+    peer = Peer(1, "worker:1")
+    rng = random.Random(1)
+    for _ in range(2000):
+        raw = bytes(rng.randrange(256) for _ in range(wire.HEADER.size))
+        try:
+            kind, _, _, length = wire.parse_header(raw, peer)
+        except transport.ProtocolError:
+            continue
+        assert raw[:4] == wire.MAGIC and kind in wire.Kind
+        assert kind == wire.Kind.DATA or length <= wire.MAX_CONTROL_PAYLOAD
+
+
+def test_results_are_aligned_views_of_reused_buffers():
+    arrays = [np.arange(5, dtype=np.float32), np.ones((3, 4), np.float32)]
+    layout = Layout(arrays)
+    assert layout.starts == [0, 16] and layout.size == 32
+    pool = BufferPool()
+    first = pool.take(layout.nbytes, layout.dtype)
+    assert first.ctypes.data % 64 == 0
+    views = layout.views(first)
+    del first
+    second = pool.take(layout.nbytes, layout.dtype)
+    assert len(pool) == 2  # the views keep the first buffer busy
+    del views, second
+    pool.take(layout.nbytes, layout.dtype)
+    assert len(pool) == 2  # reused

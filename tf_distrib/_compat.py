@@ -1,0 +1,247 @@
+"""Every touch of TensorFlow, Keras or Ray internals, in one place, each checked when used.
+
+tf_distrib fixes upstream bugs and fills gaps from outside, which takes private names.
+A release of TensorFlow, Keras or Ray may rename one; each accessor here then raises
+`CompatibilityError` naming the library, its version, the missing name and the
+tf_distrib feature that needs it, instead of letting a fix go silently inert.
+`check()` tries them all (`tf-distrib doctor` and the tests run it).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import types
+
+# The versions tf_distrib's tests run on (the constraints file pins them for CI).
+TESTED = "TensorFlow 2.21, Keras 3.15, Ray 2.60"
+
+
+class CompatibilityError(RuntimeError):
+    """An internal name tf_distrib relies on is missing from the installed library."""
+
+
+def _version(package: str) -> str:
+    for name in (package, f"{package}-cpu"):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "(not installed)"
+
+
+def _require(owner, name: str, feature: str, package: str):
+    """`owner.name`, or CompatibilityError naming the version and the feature."""
+    if isinstance(owner, str):
+        owner = importlib.import_module(owner)
+    try:
+        return getattr(owner, name)
+    except AttributeError:
+        where = getattr(owner, "__name__", type(owner).__name__)
+        raise CompatibilityError(
+            f"tf_distrib's {feature} needs {where}.{name}, which {package} "
+            f"{_version(package)} does not have. tf_distrib is tested with {TESTED}: install "
+            f"those versions, or a tf_distrib release that supports {package} "
+            f"{_version(package)}.") from None
+
+
+def _patch(owner, name: str, make_replacement, feature: str, package: str) -> None:
+    """Replaces `owner.name` with `make_replacement(original)`, once (idempotent)."""
+    original = _require(owner, name, feature, package)
+    if getattr(original, "_tf_distrib", False):
+        return
+    replacement = make_replacement(original)
+    replacement._tf_distrib = True
+    setattr(owner, name, replacement)
+
+
+# TensorFlow ---------------------------------------------------------------------------
+
+def use_trace_time_collective_keys() -> None:
+    """Makes TF's collectives take their instance keys when traced (process-wide).
+
+    TF defers them to call time (`capture_call_time_value`), which does not reach
+    through a `tf.cond` inside a `tf.while_loop`: Keras' `steps_per_execution > 1`
+    then fails under MWMS (keras-team/keras#19246), and so do collectives in a cond.
+    """
+    from tensorflow.python.distribute import cross_device_utils
+
+    launcher = _require(cross_device_utils, "CollectiveReplicaLauncher",
+                        "compile(steps_per_execution>1) under MWMS", "tensorflow")
+    _require(launcher, "_prefer_unique_instance_key",
+             "compile(steps_per_execution>1) under MWMS", "tensorflow")
+    launcher._prefer_unique_instance_key = False
+
+
+def per_replica(components):
+    """A tf.distribute PerReplica value from one tensor per local device."""
+    from tensorflow.python.distribute import values
+
+    return _require(values, "PerReplica", "cross-device ops", "tensorflow")(tuple(components))
+
+
+def mirrored(components):
+    """A tf.distribute Mirrored value from one (equal) tensor per local device."""
+    from tensorflow.python.distribute import distribute_utils, values
+
+    regroup = _require(distribute_utils, "regroup", "cross-device ops", "tensorflow")
+    return regroup(tuple(components),
+                   wrap_class=_require(values, "Mirrored", "cross-device ops", "tensorflow"))
+
+
+def canonical_device(device: str) -> str:
+    from tensorflow.python.distribute import device_util
+
+    return _require(device_util, "canonicalize", "cross-device ops", "tensorflow")(device)
+
+
+def devices_of(destinations) -> tuple[str, ...]:
+    """The devices a tf.distribute `destinations` argument names."""
+    from tensorflow.python.distribute import cross_device_ops
+
+    return _require(cross_device_ops, "get_devices_from", "cross-device ops",
+                    "tensorflow")(destinations)
+
+
+def wrap_device_buffers(wrap) -> None:
+    """Passes each per-device buffer dataset TF's MultiDeviceIterator builds through `wrap`."""
+    from tensorflow.python.data.ops import multi_device_iterator_ops
+
+    _patch(multi_device_iterator_ops, "_create_device_dataset",
+           lambda create: lambda *a, **k: wrap(create(*a, **k)),
+           "distribute_dataset's iterator-stall fix", "tensorflow")
+
+
+def set_distributed_cardinality(dataset, steps: int) -> None:
+    """Sets what Keras reads as a distributed dataset's number of steps."""
+    _require(dataset, "_cardinality", "distribute_dataset's step count", "tensorflow")
+    dataset._cardinality = steps
+
+
+def distributed_cardinality(dataset) -> int | None:
+    """The step count TF's DistributedDatasetsFromFunction reports, None if it has none."""
+    return getattr(dataset, "_cardinality", None)
+
+
+def coordination_service():
+    """The eager context, which speaks to TF's coordination service (its key-value store)."""
+    from tensorflow.python.eager import context
+
+    ctx = context.context()
+    for name in ("set_config_key_value", "get_config_key_value"):
+        _require(ctx, name, "multi-worker rendezvous (preemption, transport, watchdog)",
+                 "tensorflow")
+    return ctx
+
+
+def in_multi_worker_mode(strategy) -> bool:
+    """Whether `strategy` (a MultiWorkerMirroredStrategy) spans several workers."""
+    return _require(strategy.extended, "_in_multi_worker_mode", "multi-worker detection",
+                    "tensorflow")()
+
+
+# Keras ----------------------------------------------------------------------------------
+
+def optimizer_class():
+    """Keras' TensorFlow optimizer base class (whose methods tf_distrib routes)."""
+    from keras.src.backend.tensorflow import optimizer
+
+    return _require(optimizer, "TFOptimizer", "the gradient path", "keras")
+
+
+def patch_optimizer(name: str, make_replacement, feature: str) -> None:
+    """Replaces `TFOptimizer.<name>` with `make_replacement(original)` (idempotent).
+
+    The replacements only act for optimizers whose strategy came from `make_strategy`
+    and call the original for every other one.
+    """
+    _patch(optimizer_class(), name, make_replacement, feature, "keras")
+
+
+# What gradient accumulation under a strategy uses of a Keras optimizer: Keras' own
+# update step, in the order its BaseOptimizer runs it.
+_ACCUMULATION_INTERNALS = ("_accumulated_gradients", "_get_variable_index", "_iterations",
+                           "_clip_gradients", "_apply_weight_decay", "_backend_update_step",
+                           "_backend_reset_gradient_accumulators")
+
+
+def optimizer_strategy(optimizer):
+    """The tf.distribute strategy a Keras TF optimizer was created under."""
+    return _require(optimizer, "_distribution_strategy", "the gradient path", "keras")
+
+
+def accumulation_internals(optimizer) -> types.SimpleNamespace:
+    """The Keras optimizer internals gradient accumulation uses, as attributes."""
+    feature = "gradient_accumulation_steps under make_strategy()"
+    return types.SimpleNamespace(**{name.lstrip("_"): _require(optimizer, name, feature, "keras")
+                                    for name in _ACCUMULATION_INTERNALS})
+
+
+def set_initial_epoch(model, epoch: int | None) -> None:
+    """Makes `fit` (which reads it right after on_train_begin) start at `epoch`."""
+    _require(model, "_initial_epoch", "BackupAndRestore's resume", "keras")
+    model._initial_epoch = epoch
+
+
+def build_for_data(model, element_spec) -> None:
+    """Builds an unbuilt model, optimizer and metrics from the data's spec, as fit would."""
+    metrics = _require(model, "_compile_metrics", "BackupAndRestore's resume", "keras")
+    if (not model.built or not model.optimizer.built
+            or (metrics is not None and not metrics.built)):
+        _require(model, "_symbolic_build", "BackupAndRestore's resume", "keras")(
+            data_batch=element_spec)
+
+
+def compute_loss(model, **kwargs):
+    """Keras' own loss computation (compiled loss plus regularisers), for train steps."""
+    return _require(model, "_compute_loss", "model_parallel's micro-batches", "keras")(**kwargs)
+
+
+def loss_tracker(model):
+    """The metric that holds a model's logged "loss"."""
+    return _require(model, "_loss_tracker", "model_parallel's micro-batches", "keras")
+
+
+# Ray ------------------------------------------------------------------------------------
+
+def ray_run_storage(context) -> tuple[str, str]:
+    """(filesystem type, path) of a Ray Train run's storage."""
+    storage = _require(context, "get_storage", "the Ray integration's run_dir()", "ray")()
+    filesystem = _require(storage, "storage_filesystem", "the Ray integration's run_dir()",
+                          "ray")
+    return (_require(filesystem, "type_name", "the Ray integration's run_dir()", "ray"),
+            _require(storage, "experiment_fs_path", "the Ray integration's run_dir()", "ray"))
+
+
+# Names looked up on modules and classes (instance attributes are checked when used).
+_STATIC = [
+    ("tensorflow", "tensorflow.python.distribute.cross_device_utils",
+     "CollectiveReplicaLauncher._prefer_unique_instance_key"),
+    ("tensorflow", "tensorflow.python.distribute.values", "PerReplica"),
+    ("tensorflow", "tensorflow.python.distribute.values", "Mirrored"),
+    ("tensorflow", "tensorflow.python.distribute.distribute_utils", "regroup"),
+    ("tensorflow", "tensorflow.python.distribute.device_util", "canonicalize"),
+    ("tensorflow", "tensorflow.python.distribute.cross_device_ops", "get_devices_from"),
+    ("tensorflow", "tensorflow.python.data.ops.multi_device_iterator_ops",
+     "_create_device_dataset"),
+    ("tensorflow", "tensorflow.python.eager.context", "context"),
+    ("keras", "keras", "Model._symbolic_build"),
+    ("keras", "keras", "Model._compute_loss"),
+    *[("keras", "keras.src.backend.tensorflow.optimizer", f"TFOptimizer.{name}")
+      for name in ("_all_reduce_sum_gradients", "_backend_apply_gradients",
+                   *(n for n in _ACCUMULATION_INTERNALS if n not in (
+                       "_accumulated_gradients", "_iterations")))],
+]
+
+
+def check() -> list[str]:
+    """Looks up every module- and class-level internal tf_distrib uses; the missing ones."""
+    problems = []
+    for package, module, path in _STATIC:
+        try:
+            owner = importlib.import_module(module)
+            for name in path.split("."):
+                owner = _require(owner, name, "tf_distrib", package)
+        except (CompatibilityError, ImportError) as e:
+            problems.append(str(e))
+    return problems

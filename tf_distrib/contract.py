@@ -1,0 +1,116 @@
+"""The launcher <-> worker contract: environment variables and exit statuses.
+
+`tf-distrib launch` (and the engines' adapters) set these variables for each worker;
+the strategy, the callbacks and the integrations read them here. A worker tells the
+launcher why it stopped through its exit status. Plain Python, no TensorFlow: the
+launcher imports it, and so does every worker.
+
+| variable | meaning (torchrun's name) |
+|---|---|
+| `TF_DISTRIB_WORKER_INDEX` | this worker's task index (`RANK`) |
+| `TF_DISTRIB_NUM_WORKERS` | workers in this attempt (`WORLD_SIZE`) |
+| `TF_DISTRIB_ATTEMPT` | 0 on the first start, then 1, 2, ... (`TORCHELASTIC_RESTART_COUNT`) |
+| `TF_DISTRIB_MAX_RESTARTS` | restarts the launcher allows (`TORCHELASTIC_MAX_RESTARTS`) |
+| `TF_DISTRIB_STARTUP_TIMEOUT` | seconds the cluster may take to form |
+| `TF_DISTRIB_HANG_TIMEOUT` | seconds without a finished training step before the watchdog fires |
+| `TF_DISTRIB_SECRET` | the job's secret for the gradient transport's connections |
+| `TF_DISTRIB_TRANSPORT` | the gradient transport when `make_strategy` is not told one |
+| `TF_DISTRIB_REPORT_DIR` | where a worker writes its flight-recorder report when it hangs |
+
+Example:
+
+```python
+from tf_distrib import contract
+
+if contract.attempt() > 0:
+    print("restarted; BackupAndRestore resumes where the last attempt stopped")
+```
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+
+ENV_WORKER_INDEX = "TF_DISTRIB_WORKER_INDEX"
+ENV_NUM_WORKERS = "TF_DISTRIB_NUM_WORKERS"
+ENV_ATTEMPT = "TF_DISTRIB_ATTEMPT"
+ENV_MAX_RESTARTS = "TF_DISTRIB_MAX_RESTARTS"
+ENV_STARTUP_TIMEOUT = "TF_DISTRIB_STARTUP_TIMEOUT"
+ENV_HANG_TIMEOUT = "TF_DISTRIB_HANG_TIMEOUT"
+ENV_SECRET = "TF_DISTRIB_SECRET"
+ENV_TRANSPORT = "TF_DISTRIB_TRANSPORT"
+ENV_REPORT_DIR = "TF_DISTRIB_REPORT_DIR"
+
+#: A worker saved a backup on SIGTERM (preemption) and exited; its peers save at the
+#: same step and exit on their own. Restart the group: it resumes from that step.
+PREEMPTED_EXIT_CODE = 42
+#: The cluster did not form within the startup timeout (EX_TEMPFAIL): restart.
+STARTUP_TIMEOUT_EXIT_CODE = 75
+#: The hang watchdog saw no training step finish within the hang timeout, wrote its
+#: flight-recorder report and aborted the worker: restart.
+HUNG_EXIT_CODE = 76
+
+EXIT_CODES = {
+    PREEMPTED_EXIT_CODE: "preempted: saved a backup on SIGTERM",
+    STARTUP_TIMEOUT_EXIT_CODE: "the cluster did not form within the startup timeout",
+    HUNG_EXIT_CODE: "hung: no training step finished within the hang timeout",
+}
+
+
+def describe_exit_code(code: int) -> str | None:
+    """What a tf_distrib exit status means, or None for other statuses."""
+    return EXIT_CODES.get(code)
+
+
+def env_seconds(name: str, default: float | None,
+                environ: Mapping[str, str] | None = None) -> float | None:
+    """A duration in seconds from the environment variable `name`.
+
+    "inf" (or "0" for "no limit") gives `math.inf`; unset or empty gives `default`.
+
+    Raises:
+        ValueError: the value is not a number >= 0; the message names the variable.
+    """
+    value = (os.environ if environ is None else environ).get(name, "").strip()
+    if not value:
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:
+        raise ValueError(f"{name}={value!r} is not a number of seconds >= 0 (0 or 'inf': no "
+                         "limit). Fix or unset the variable.")
+    return math.inf if seconds == 0 else seconds
+
+
+def env_int(name: str, default: int | None,
+            environ: Mapping[str, str] | None = None) -> int | None:
+    """An integer >= 0 from the environment variable `name`; unset gives `default`.
+
+    Raises:
+        ValueError: the value is not an integer >= 0; the message names the variable.
+    """
+    value = (os.environ if environ is None else environ).get(name, "").strip()
+    if not value:
+        return default
+    if not value.isdigit():
+        raise ValueError(f"{name}={value!r} is not an integer >= 0. Fix or unset the variable.")
+    return int(value)
+
+
+def worker_index(environ: Mapping[str, str] | None = None) -> int | None:
+    """This worker's index as the launcher numbered it, or None outside a launch."""
+    return env_int(ENV_WORKER_INDEX, None, environ)
+
+
+def num_workers(environ: Mapping[str, str] | None = None) -> int | None:
+    """How many workers this attempt runs, or None outside a launch."""
+    return env_int(ENV_NUM_WORKERS, None, environ)
+
+
+def attempt(environ: Mapping[str, str] | None = None) -> int:
+    """0 on the first start of the group, 1 after the first restart, ... (0 outside a launch)."""
+    return env_int(ENV_ATTEMPT, 0, environ)

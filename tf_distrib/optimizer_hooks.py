@@ -1,0 +1,118 @@
+"""How Keras optimizers under `make_strategy()`'s strategies reach tf_distrib.
+
+Keras 3 leaves two things to the TensorFlow optimizer that tf.distribute users need
+changed, and tf_distrib routes exactly those two methods of Keras' `TFOptimizer`, for
+optimizers whose strategy `make_strategy()` made (`mark`); every other optimizer runs
+Keras' own code:
+
+- `_all_reduce_sum_gradients`: the gradient all-reduce goes through the strategy's
+  `GradientAllReduce` (buckets, compression, tf_distrib's transport), when it has one.
+- `_backend_apply_gradients` with `gradient_accumulation_steps=K`: Keras runs the
+  all-reduce inside a `tf.cond`, where tf.distribute cannot `merge_call`
+  ("merge_call called while defining a new graph", keras-team/keras#16633). Here each
+  replica adds its gradients to its own accumulators on K-1 steps out of K, with no
+  communication; on the K-th, the cond runs in cross-replica context (as Keras'
+  LossScaleOptimizer does) and calls Keras' own update step in every replica: one
+  all-reduce of the accumulated gradients, clipping, weight decay and the update,
+  with Keras' arithmetic.
+
+Keras offers no hook that sees an optimizer before its first step, so the methods are
+replaced on the class, once; they dispatch on the optimizer's strategy.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tf_distrib import _compat
+from tf_distrib._checks import is_int
+
+# Attribute of a strategy made by make_strategy(): its GradientAllReduce, or None.
+_ATTRIBUTE = "_tf_distrib_gradients"
+_FEATURE = "make_strategy()'s gradient path"
+
+
+def mark(strategy: tf.distribute.Strategy, gradient_all_reduce=None) -> None:
+    """Makes Keras optimizers created under `strategy` use tf_distrib's hooks.
+
+    Args:
+        strategy: A strategy from `make_strategy()` (never the default strategy).
+        gradient_all_reduce: The `GradientAllReduce` its gradients go through, or None
+            for the strategy's own all-reduce.
+    """
+    install()
+    setattr(strategy, _ATTRIBUTE, gradient_all_reduce)
+
+
+def gradient_all_reduce(strategy: tf.distribute.Strategy):
+    """The `GradientAllReduce` of a strategy from `make_strategy()`, or None."""
+    return getattr(strategy, _ATTRIBUTE, None)
+
+
+def install() -> None:
+    """Routes the two optimizer methods (idempotent)."""
+    _compat.patch_optimizer("_all_reduce_sum_gradients", _route_all_reduce, _FEATURE)
+    _compat.patch_optimizer("_backend_apply_gradients", _route_apply,
+                            "gradient_accumulation_steps under make_strategy()")
+
+
+def _route_all_reduce(original):
+    def all_reduce_sum_gradients(self, grads_and_vars):
+        reduce = gradient_all_reduce(_compat.optimizer_strategy(self))
+        if reduce is None or not tf.distribute.get_replica_context():
+            return original(self, grads_and_vars)
+        grads_and_vars = list(grads_and_vars)
+        present = [i for i, (g, _) in enumerate(grads_and_vars) if g is not None]
+        reduced = reduce([grads_and_vars[i][0] for i in present]) if present else []
+        result = list(grads_and_vars)
+        for i, g in zip(present, reduced, strict=True):
+            result[i] = (g, grads_and_vars[i][1])
+        return result
+
+    return all_reduce_sum_gradients
+
+
+def _route_apply(original):
+    def backend_apply_gradients(self, grads, trainable_variables):
+        steps = self.gradient_accumulation_steps
+        if (steps is None or not hasattr(_compat.optimizer_strategy(self), _ATTRIBUTE)
+                or tf.distribute.in_cross_replica_context()):
+            return original(self, grads, trainable_variables)
+        if not is_int(steps) or steps < 2:  # Keras lets 0, False and 2.5 through
+            raise ValueError(f"gradient_accumulation_steps must be an integer >= 2 or None, "
+                             f"got {steps!r}.")
+        return _accumulate_then_apply(self, grads, trainable_variables)
+
+    return backend_apply_gradients
+
+
+def _accumulate_then_apply(optimizer, grads, variables) -> None:
+    """Keras' gradient accumulation, with its update step out of the replica's cond."""
+    if optimizer.use_ema:
+        raise NotImplementedError(
+            "gradient_accumulation_steps with use_ema=True is not supported under a "
+            "tf_distrib strategy; drop one of the two.")
+    steps = optimizer.gradient_accumulation_steps
+    keras = _compat.accumulation_internals(optimizer)
+    accumulators = [keras.accumulated_gradients[keras.get_variable_index(v)] for v in variables]
+    # Each replica's own running sum: accumulating communicates nothing.
+    sums = [g + acc.value for g, acc in zip(grads, accumulators, strict=True)]
+
+    def update(sums):
+        # Keras' update step, as its BaseOptimizer runs it, in each replica.
+        step_grads = keras.clip_gradients([s / steps for s in sums])
+        keras.apply_weight_decay(variables)
+        keras.backend_update_step(step_grads, variables, optimizer.learning_rate)
+        keras.backend_reset_gradient_accumulators()
+
+    def in_cross_replica_context(distribution, sums):
+        def accumulate():
+            for accumulator, s in zip(accumulators, sums, strict=True):
+                distribution.extended.update(accumulator.value, lambda a, v: a.assign(v),
+                                             args=(s,), group=False)
+
+        tf.cond((keras.iterations + 1) % steps == 0,
+                lambda: distribution.extended.call_for_each_replica(update, args=(sums,)),
+                accumulate)
+
+    tf.distribute.get_replica_context().merge_call(in_cross_replica_context, args=(sums,))

@@ -60,8 +60,8 @@ def test_bf16_compression_stays_within_its_bound(references):
     # bf16 rounds each update's gradients once (relative 2^-8): over 64 SGD updates at
     # lr 0.1 with gradients below 1, weights move at most 64 * 0.1 * 2^-8 = 0.025 apart.
     assert_close_to(a, references["sgd"], atol=64 * 0.1 * 2.0 ** -8)
-    assert any(not np.array_equal(w, r) for w, r in zip(a["weights"],
-                                                       references["sgd"]["weights"]))
+    assert any(not np.array_equal(w, r)
+               for w, r in zip(a["weights"], references["sgd"]["weights"], strict=True))
 
 
 def test_killed_between_micro_steps_resumes_bitwise(tmp_path):

@@ -171,6 +171,10 @@ MARKER_SCRIPT = "open(__file__ + '.ran', 'w').close()\n"
      "'num_workers' has the wrong type"),
     (lambda d, s: [], "Give exactly one of a script or a module"),
     (lambda d, s: ["--hosts", "a,b", "--host-index", "2", s], "host_index must be in 0..1"),
+    (lambda d, s: ["-n", "3:2", s], "needs 1 <= MIN <= MAX, got '3:2'"),
+    (lambda d, s: ["-n", "0:2", s], "needs 1 <= MIN <= MAX, got '0:2'"),
+    (lambda d, s: ["-n", "a:b", s], "must be N or MIN:MAX (e.g. 2 or 1:4), got 'a:b'"),
+    (lambda d, s: ["--hosts", "a,b", "--min-hosts", "3", s], "min_hosts (3) is more than"),
 ])
 def test_bad_input_exits_2_and_starts_nothing(tmp_path, make_args, message):
     script = write(tmp_path, "marker.py", MARKER_SCRIPT)

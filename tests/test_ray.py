@@ -45,11 +45,12 @@ def fit(trainer, timeout=240.0):
     return outcome["result"]
 
 
-def run_training(tmp_path, name, **config):
+def run_training(tmp_path, name, num_workers=2, **config):
     scratch = tmp_path / name
     scratch.mkdir()
     trainer = td_ray.make_trainer(
-        train_on_ray, num_workers=2, max_failures=1, storage_path=str(tmp_path / "storage"),
+        train_on_ray, num_workers=num_workers, max_failures=1,
+        storage_path=str(tmp_path / "storage"),
         name=name, config={"scratch": str(scratch), "epochs": EPOCHS, "save_freq": SAVE_FREQ,
                            "kill_worker": 1, **config})
     fit(trainer)
@@ -92,11 +93,23 @@ def test_killed_ray_worker_resumes_from_backup_exactly(uninterrupted, tmp_path):
         np.testing.assert_array_equal(w0, w1)
 
 
+def test_elastic_worker_count_takes_what_the_cluster_has(local_ray, tmp_path, uninterrupted):
+    # (1, 4) workers on a 2-CPU cluster: Ray Train starts the 2 that fit.
+    results, weights, _ = run_training(tmp_path, "elastic", num_workers=(1, 4))
+    assert [r["tf_config"]["task"]["index"] for r in results] == [0, 1]
+    for got, want in zip(weights[0], uninterrupted[1][0], strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_make_trainer_rejects_bad_arguments():
     with pytest.raises(TypeError, match="train_fn must be callable"):
         td_ray.make_trainer("train.py")
     with pytest.raises(ValueError, match="num_workers must be an integer >= 1"):
         td_ray.make_trainer(train_on_ray, num_workers=0)
+    with pytest.raises(ValueError, match="num_workers' max must be an integer >= 3"):
+        td_ray.make_trainer(train_on_ray, num_workers=(3, 2))
+    with pytest.raises(ValueError, match="num_workers must be an int or \\(min, max\\)"):
+        td_ray.make_trainer(train_on_ray, num_workers=(1, 2, 3))
     with pytest.raises(ValueError, match="max_failures must be an integer >= -1"):
         td_ray.make_trainer(train_on_ray, max_failures=-2)
     with pytest.raises(ValueError, match="cpus_per_worker must be a number > 0"):

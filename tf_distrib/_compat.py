@@ -123,6 +123,17 @@ def distributed_cardinality(dataset) -> int | None:
     return getattr(dataset, "_cardinality", None)
 
 
+def skip_partial_batch_checks(dataset) -> None:
+    """Stops a distributed dataset's iterators from all-reducing "has data" every step.
+
+    Under MWMS, TF checks with a collective at every step that every worker still has
+    data (`get_next_as_optional`), in case one pipeline ends early.
+    """
+    _require(dataset, "_enable_get_next_as_optional", "distribute_dataset's equal steps",
+             "tensorflow")
+    dataset._enable_get_next_as_optional = False
+
+
 def coordination_service():
     """The eager context, which speaks to TF's coordination service (its key-value store)."""
     from tensorflow.python.eager import context

@@ -17,6 +17,7 @@ model.fit(dataset, epochs=3)
 from __future__ import annotations
 
 import atexit
+import itertools
 import math
 import os
 import sys
@@ -28,6 +29,7 @@ import tensorflow as tf
 from tf_distrib import _compat, contract, cross_device, optimizer_hooks
 from tf_distrib import cluster as cluster_lib
 from tf_distrib import transport as transport_lib
+from tf_distrib import watchdog as watchdog_lib
 from tf_distrib._checks import check_int
 from tf_distrib.contract import ENV_STARTUP_TIMEOUT, STARTUP_TIMEOUT_EXIT_CODE
 from tf_distrib.cross_device import gradients
@@ -37,6 +39,7 @@ __all__ = ["make_strategy", "use_logical_cpus", "KerasMultiWorkerMirroredStrateg
            "HostMirroredStrategy", "STARTUP_TIMEOUT_EXIT_CODE"]
 
 _DEFAULT_STARTUP_TIMEOUT = 600.0
+_MULTI_WORKER_STRATEGIES = itertools.count(1)
 
 
 def use_logical_cpus(n: int) -> None:
@@ -108,9 +111,29 @@ class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy
         transport: The `tf_distrib.transport.Transport` that carries this worker's
             gradient all-reduce, or None when TensorFlow's collective does
             (`make_strategy(transport=...)`).
+        watchdog: The `tf_distrib.watchdog.Watchdog` that stops this worker when its
+            steps stop (`make_strategy(hang_timeout=...)`), or None.
     """
 
     transport = None
+    watchdog = None
+    _steps = None  # steps run, counted inside each step's graph for the watchdog
+
+    def run(self, fn, args=(), kwargs=None, options=None):
+        result = super().run(fn, args=args, kwargs=kwargs, options=options)
+        if self._steps is not None:
+            with tf.control_dependencies(tf.nest.flatten(result, expand_composites=True)):
+                self._steps.assign_add(1)
+        return result
+
+    def start_watchdog(self, task: str, timeout: float, key: str) -> None:
+        """Starts this worker's hang watchdog (`make_strategy` does, unless told not to)."""
+        with tf.init_scope():
+            self._steps = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                      name="tf_distrib_steps")
+        self.watchdog = watchdog_lib.Watchdog(task, timeout, lambda: int(self._steps.numpy()),
+                                              transport=self.transport, key=key)
+        atexit.register(self.watchdog.stop)
 
     def __init__(self, *args, **kwargs):
         _compat.use_trace_time_collective_keys()
@@ -176,6 +199,7 @@ def _rank(value):
 def make_strategy(cross_device_ops: tf.distribute.CrossDeviceOps | None = None, *,
                   compression: str | None = None, bucket_bytes: int | None = None,
                   transport: str | None = None,
+                  hang_timeout: float | None = None,
                   communication_timeout: float | None = None,
                   startup_timeout: float | None = None,
                   cluster: cluster_lib.ClusterSpec | None = None) -> tf.distribute.Strategy:
@@ -215,6 +239,12 @@ def make_strategy(cross_device_ops: tf.distribute.CrossDeviceOps | None = None, 
             If some worker cannot listen, every worker falls back to "tf" with a
             warning that says why. Defaults to None: the TF_DISTRIB_TRANSPORT
             environment variable, else "auto".
+        hang_timeout: Seconds without a finished step (training, evaluation or
+            prediction) after which each MWMS worker writes a flight-recorder report
+            and exits with status `contract.HUNG_EXIT_CODE` (76), instead of waiting
+            forever for a stuck peer (`tf_distrib.watchdog`). `math.inf` disables it.
+            Defaults to None: TF_DISTRIB_HANG_TIMEOUT when set (the launcher's
+            --hang-timeout), else 600.
         communication_timeout: Seconds after which a stuck TensorFlow collective fails
             with `DeadlineExceededError` instead of waiting, and after which a silent
             peer counts as lost on tf_distrib's transport (MWMS only). Defaults to None:
@@ -248,6 +278,12 @@ def make_strategy(cross_device_ops: tf.distribute.CrossDeviceOps | None = None, 
         raise TypeError(f"cross_device_ops must be a tf.distribute.CrossDeviceOps, got "
                         f"{type(cross_device_ops).__name__}.")
     gradients.GradientAllReduce(compression, bucket_bytes)  # validates both
+    if hang_timeout is None:
+        hang_timeout = contract.env_seconds(contract.ENV_HANG_TIMEOUT,
+                                            watchdog_lib.DEFAULT_HANG_TIMEOUT)
+    if not hang_timeout > 0:
+        raise ValueError(f"hang_timeout must be > 0 seconds, math.inf or None, got "
+                         f"{hang_timeout!r}.")
     transport = transport or os.environ.get(contract.ENV_TRANSPORT) or "auto"
     if transport not in transport_lib.MODES:
         raise ValueError(f"transport must be one of {transport_lib.MODES}, got {transport!r}.")
@@ -262,12 +298,18 @@ def make_strategy(cross_device_ops: tf.distribute.CrossDeviceOps | None = None, 
             )
         spec.check_roles_for("MultiWorkerMirroredStrategy")
         strategy = _multi_worker_strategy(spec, communication_timeout, startup_timeout)
+        # Coordination-service keys of this strategy: every worker makes its strategies
+        # in the same order, so the count agrees.
+        keys = f"tf_distrib/{next(_MULTI_WORKER_STRATEGIES)}"
         strategy.transport = _connect_transport(strategy, spec, transport, startup_timeout,
-                                                communication_timeout)
+                                                communication_timeout, f"{keys}/transport")
         reduce = None
         if strategy.transport is not None or compression is not None or bucket_bytes is not None:
             reduce = gradients.GradientAllReduce(compression, bucket_bytes, strategy.transport)
         optimizer_hooks.mark(strategy, reduce)
+        if hang_timeout != math.inf:
+            strategy.start_watchdog(f"{spec.task_type}:{spec.task_index}", hang_timeout,
+                                    f"{keys}/hang")
         return strategy
 
     gpus = tf.config.list_logical_devices("GPU")
@@ -290,7 +332,7 @@ def make_strategy(cross_device_ops: tf.distribute.CrossDeviceOps | None = None, 
     return strategy
 
 
-def _connect_transport(strategy, spec, mode, startup_timeout, communication_timeout):
+def _connect_transport(strategy, spec, mode, startup_timeout, communication_timeout, prefix):
     """tf_distrib's transport for this worker's gradients, or None for TF's collective."""
     local = len(strategy.extended.worker_devices)
     gpus = bool(tf.config.list_physical_devices("GPU"))
@@ -303,7 +345,6 @@ def _connect_transport(strategy, spec, mode, startup_timeout, communication_time
     tasks = [f"{role}:{i}" for role in cluster_lib.TRAINING_ROLES
              for i in range(len(spec.cluster.get(role, ())))]
     secret = os.environ.get(contract.ENV_SECRET)
-    _connect_transport.count = getattr(_connect_transport, "count", 0) + 1
     try:
         carrier = transport_lib.connect(
             tasks.index(f"{spec.task_type}:{spec.task_index}"), tasks,
@@ -311,7 +352,7 @@ def _connect_transport(strategy, spec, mode, startup_timeout, communication_time
             secret=secret.encode() if secret else None, mode="auto" if mode == "auto" else mode,
             timeout=min(startup_timeout, transport_lib.DEFAULT_CONNECT_TIMEOUT),
             peer_timeout=communication_timeout or transport_lib.DEFAULT_PEER_TIMEOUT,
-            prefix=f"tf_distrib/transport/{_connect_transport.count}")
+            prefix=prefix)
     except transport_lib.TransportUnavailable as e:
         warnings.warn(f"tf_distrib: gradients go through TensorFlow's collective, since "
                       f"tf_distrib's transport is unavailable: {e}.", stacklevel=3)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from tf_distrib import _compat
+from tf_distrib import _compat, watchdog
 from tf_distrib._checks import check_int, is_int
+from tf_distrib.callbacks.background_save import BackgroundSave
 from tf_distrib.callbacks.backup_store import BackupStore
 from tf_distrib.callbacks.preemption import PreemptionWatcher
 from tf_distrib.contract import PREEMPTED_EXIT_CODE
@@ -21,9 +22,17 @@ class BackupAndRestore(keras.callbacks.Callback):
     - **What is saved**: every model variable (weights and RNG seed state), every
       optimizer variable (slots, iterations), the metrics' accumulators, the epoch
       and the step within it.
-    - **Multi-worker safe**: every worker takes part in a save, only the chief's copy
-      is kept (the others write to a private temporary directory and delete it); all
-      workers share one `backup_dir`.
+    - **Multi-worker safe**: every worker takes part in a save (reading the metrics
+      sums them across workers) and only the chief writes it; all workers share one
+      `backup_dir`.
+    - **Asynchronous** (`async_save=True`): the training thread only takes a snapshot
+      of the state (TensorFlow reads that later updates do not change: each variable
+      the next steps update is copied once, up to one more copy of the state in host
+      memory); serialisation, the checksum, the write and the atomic rename happen on
+      a background thread. At most one save is in flight: a save that comes due while
+      the previous one is still being written waits for it (and says how long, when
+      `verbose`). The end of `fit`, a preemption and the exit of the process wait for
+      the backup in flight; a backup is listed only once it is complete.
     - **Atomic and verified**: a backup is written under a temporary name, renamed
       into place and carries a manifest with a sha256 checksum. On restore the
       newest backup that verifies is used; broken ones are skipped with a warning,
@@ -38,6 +47,12 @@ class BackupAndRestore(keras.callbacks.Callback):
     - **Preemption**: with `save_before_preemption=True`, a SIGTERM makes all
       workers save at the same step and exit with status `PREEMPTED_EXIT_CODE` (42);
       `tf-distrib launch` restarts them and they resume from that step.
+    - **Gradient accumulation** (`gradient_accumulation_steps=K`): backups are made
+      only at update steps, where no gradients wait in the accumulators, so a backup
+      does not depend on the number of workers and a run killed between micro-steps
+      resumes bitwise from the last update. A save that comes due between
+      micro-steps (save_freq, an epoch end, preemption) is made at the next update.
+    - **Hang watchdog**: saving pauses `tf_distrib.watchdog`.
 
     Args:
         backup_dir: Directory for the backups, shared by all workers (local path or
@@ -48,7 +63,10 @@ class BackupAndRestore(keras.callbacks.Callback):
             Defaults to True.
         keep: How many of the newest backups to keep. Defaults to 2.
         save_before_preemption: Save and exit on SIGTERM. Defaults to True.
-        verbose: Print a line when training resumes or is preempted. Defaults to 1.
+        verbose: Print a line when training resumes, is preempted, or waits for a
+            backup still being written. Defaults to 1.
+        async_save: Write backups on a background thread. Defaults to True (measured:
+            `make bench` -> backup).
 
     Attributes:
         restored_step: The global step training resumed from in the last `fit`, or
@@ -63,7 +81,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     """
 
     def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint=True, *, keep=2,
-                 save_before_preemption=True, verbose=1):
+                 save_before_preemption=True, verbose=1, async_save=True):
         super().__init__()
         if not backup_dir:
             raise ValueError("BackupAndRestore needs a backup_dir, e.g. '/tmp/backup'.")
@@ -76,7 +94,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.delete_checkpoint = delete_checkpoint
         self.save_before_preemption = save_before_preemption
         self.verbose = verbose
+        self.async_save = async_save
         self._store = BackupStore(self.backup_dir, keep)
+        self._writer = BackgroundSave()
+        self._saved_step: int | None = None
         self._preemption: PreemptionWatcher | None = None
         self._global_step = 0
         self._epoch = 0
@@ -89,11 +110,12 @@ class BackupAndRestore(keras.callbacks.Callback):
     # Keras hooks -----------------------------------------------------------------
 
     def on_train_begin(self, logs=None):
+        self._writer.wait()  # a backup a failed fit left in flight
         strategy = self.model.distribute_strategy
         self._is_chief = strategy.extended.should_checkpoint
         self._global_step = self._epoch = self._step_in_epoch = self._skip = 0
         self._skipped_last_call = self._save_due = False
-        self.restored_step = None
+        self.restored_step = self._saved_step = None
         restored = self._store.read_latest()
         if restored is not None:
             manifest, arrays = restored
@@ -103,7 +125,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 epoch, step = epoch + 1, 0
             # fit() reads this right after on_train_begin to choose its first epoch.
             _compat.set_initial_epoch(self.model, epoch)
-            self._global_step = self.restored_step = manifest["step"]
+            self._global_step = self.restored_step = self._saved_step = manifest["step"]
             deferred = ["metrics"] if step else []
             if self.model.built:
                 if not self.model.optimizer.built:
@@ -138,6 +160,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             if (stop_at is not None and self._global_step >= stop_at
                     and self._at_update_boundary()):
                 self._save()
+                self._writer.wait()
                 # The SIGTERM handler stays installed: the launcher may signal this
                 # process again while it exits, and the default action would kill it.
                 if self.verbose:
@@ -155,6 +178,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._save()
 
     def on_train_end(self, logs=None):
+        self._writer.wait()
         if self._preemption is not None:
             self._preemption.close()
             self._preemption = None
@@ -182,14 +206,34 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _save(self):
         self._save_due = False
-        # convert_to_tensor also reads metrics' SyncOnRead variables (aggregated over
-        # replicas), which keras.ops.convert_to_numpy cannot.
-        arrays = [(f"{group}/{i}", tf.convert_to_tensor(v.value).numpy())
-                  for group, variables in self._variables().items()
-                  for i, v in enumerate(variables)]
-        metadata = {"epoch": self._epoch, "step_in_epoch": self._step_in_epoch,
-                    "steps_per_epoch": self.params.get("steps")}
-        self._store.write(self._global_step, arrays, metadata, commit=self._is_chief)
+        if self._global_step == self._saved_step:  # batch end and epoch end of one step
+            return
+        self._saved_step = step = self._global_step
+        with watchdog.paused("saving a backup"):
+            # convert_to_tensor also reads metrics' SyncOnRead variables (summed over
+            # replicas and workers: every worker takes part), which
+            # keras.ops.convert_to_numpy cannot. TensorFlow copies a variable before
+            # updating it while such a read of it lives, so the snapshot stays as it is.
+            snapshot = [(f"{group}/{i}", tf.convert_to_tensor(v.value))
+                        for group, variables in self._variables().items()
+                        for i, v in enumerate(variables)]
+            if not self._is_chief:
+                return
+            metadata = {"epoch": self._epoch, "step_in_epoch": self._step_in_epoch,
+                        "steps_per_epoch": self.params.get("steps")}
+
+            def write():
+                self._store.write(step, [(n, t.numpy()) for n, t in snapshot], metadata)
+
+            if not self.async_save:
+                write()
+                return
+            waited = self._writer.start(write, f"writing the backup of step {step} to "
+                                               f"{self.backup_dir}")
+            if waited > 0.1 and self.verbose:
+                print(f"BackupAndRestore: waited {waited:.1f} s for the previous backup to be "
+                      f"written before step {step}'s (storage slower than save_freq)",
+                      flush=True)
 
     def _wrap_train_function(self, manifest, arrays, step: int, deferred: list[str]) -> None:
         """Assigns `deferred` state on the first training call, then skips `step` steps.

@@ -37,34 +37,34 @@ class BackupStore:
         self.directory = str(directory)
         self.keep = keep
 
-    def write(self, step: int, arrays: list[tuple[str, np.ndarray]], metadata: dict,
-              commit: bool = True) -> str | None:
-        """Writes a backup for global `step`; returns its path.
+    def write(self, step: int, arrays: list[tuple[str, np.ndarray]], metadata: dict) -> str:
+        """Writes and commits a backup for global `step`; returns its path.
 
-        With `commit=False` (non-chief workers) the backup is written to a private
-        temporary directory and deleted again: every worker takes part in a save,
-        only the chief's copy is kept.
+        The arrays are streamed to the state file one by one while the checksum is
+        computed, so writing takes no second copy of the state in memory.
         """
+        final = self._path(step)
+        if tf.io.gfile.exists(final):
+            return final  # same step saved twice: the state is identical
         tmp = posixpath.join(self.directory, f"{_TMP_PREFIX}{uuid.uuid4().hex}")
         tf.io.gfile.makedirs(tmp)
         try:
-            blob, entries = _pack(arrays)
-            with tf.io.gfile.GFile(posixpath.join(tmp, _STATE), "wb") as f:
-                f.write(blob)
-            manifest = {
-                "format": FORMAT_VERSION, "step": step, "metadata": metadata,
-                "arrays": entries,
-                "files": {_STATE: {"bytes": len(blob),
-                                   "sha256": hashlib.sha256(blob).hexdigest()}},
-            }
+            digest, entries, offset = hashlib.sha256(), [], 0
+            with _open_for_writing(posixpath.join(tmp, _STATE)) as f:
+                for name, value in arrays:
+                    value = np.asarray(value, order="C")
+                    entries.append({"name": name, "dtype": value.dtype.name,
+                                    "shape": list(value.shape), "offset": offset,
+                                    "bytes": value.nbytes})
+                    for chunk in _chunks(value):
+                        digest.update(chunk)
+                        f.write(chunk)
+                    offset += value.nbytes
+            manifest = {"format": FORMAT_VERSION, "step": step, "metadata": metadata,
+                        "arrays": entries,
+                        "files": {_STATE: {"bytes": offset, "sha256": digest.hexdigest()}}}
             with tf.io.gfile.GFile(posixpath.join(tmp, _MANIFEST), "w") as f:
                 f.write(json.dumps(manifest))
-            if not commit:
-                return None
-            final = self._path(step)
-            if tf.io.gfile.exists(final):
-                # Same step saved twice (batch and epoch end): the state is identical.
-                return final
             tf.io.gfile.rename(tmp, final)
             self._prune()
             return final
@@ -121,16 +121,35 @@ class _Corrupt(Exception):
     pass
 
 
-def _pack(arrays):
-    chunks, entries, offset = [], [], 0
-    for name, value in arrays:
-        value = np.asarray(value, order="C")  # ascontiguousarray would make 0-d arrays 1-d
-        raw = value.tobytes()
-        entries.append({"name": name, "dtype": value.dtype.name, "shape": list(value.shape),
-                        "offset": offset, "bytes": len(raw)})
-        chunks.append(raw)
-        offset += len(raw)
-    return b"".join(chunks), entries
+# Local files take numpy's memory as it is; tf.io.gfile wants bytes, one copy per chunk.
+_CHUNK_BYTES = 64 << 20
+
+
+def _open_for_writing(path: str):
+    return open(path, "wb") if "://" not in path else _GFileWriter(path)
+
+
+class _GFileWriter:
+    """A tf.io.gfile file that takes memoryviews (it takes only bytes itself)."""
+
+    def __init__(self, path: str):
+        self._file = tf.io.gfile.GFile(path, "wb")
+
+    def write(self, chunk) -> None:
+        self._file.write(bytes(chunk))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._file.close()
+
+
+def _chunks(value: np.ndarray):
+    """`value`'s bytes in pieces of at most 64 MiB (memoryviews: no copy)."""
+    raw = memoryview(value.reshape(-1).view(np.uint8)) if value.size else memoryview(b"")
+    for start in range(0, max(len(raw), 1), _CHUNK_BYTES):
+        yield raw[start:start + _CHUNK_BYTES]
 
 
 def _read(path: str) -> tuple[dict, dict[str, np.ndarray]]:

@@ -108,7 +108,8 @@ def backup_dir(name: str = "tf_distrib_backup") -> str:
     return posixpath.join(run_dir(), name)
 
 
-def make_trainer(train_fn: Callable, *, num_workers: int = 2, cpus_per_worker: float = 1,
+def make_trainer(train_fn: Callable, *, num_workers: int | tuple[int, int] = 2,
+                 cpus_per_worker: float = 1,
                  use_gpu: bool = False, max_failures: int = 0,
                  storage_path: str | None = None, name: str | None = None,
                  config: Mapping | None = None) -> TensorflowTrainer:
@@ -117,8 +118,12 @@ def make_trainer(train_fn: Callable, *, num_workers: int = 2, cpus_per_worker: f
     Args:
         train_fn: The training function: no argument, or one (the `config` dict).
             It runs after `prepare_worker()`; Ray discards its return value.
-        num_workers: Ray actors, one MultiWorkerMirroredStrategy worker each.
-            Defaults to 2.
+        num_workers: Ray actors, one MultiWorkerMirroredStrategy worker each, or
+            (min, max) for an elastic run: Ray Train starts with as many workers as
+            the cluster has resources for (at least min), and restarts the group at
+            another size when workers are lost or resources appear; BackupAndRestore
+            and distribute_dataset resume exactly across the change, with the same
+            global batch. Defaults to 2.
         cpus_per_worker: CPUs Ray reserves per worker. Defaults to 1.
         use_gpu: Reserve one GPU per worker. Defaults to False.
         max_failures: How many times Ray restarts the worker group after a worker
@@ -135,7 +140,13 @@ def make_trainer(train_fn: Callable, *, num_workers: int = 2, cpus_per_worker: f
     if not callable(train_fn):
         raise TypeError(f"train_fn must be callable, got {type(train_fn).__name__}.")
     takes_config = bool(inspect.signature(train_fn).parameters)
-    check_int("num_workers", num_workers, minimum=1)
+    if isinstance(num_workers, tuple):
+        if len(num_workers) != 2:
+            raise ValueError(f"num_workers must be an int or (min, max), got {num_workers!r}.")
+        check_int("num_workers' min", num_workers[0], minimum=1)
+        check_int("num_workers' max", num_workers[1], minimum=num_workers[0])
+    else:
+        check_int("num_workers", num_workers, minimum=1)
     check_int("max_failures", max_failures, minimum=-1)
     if (isinstance(cpus_per_worker, bool) or not isinstance(cpus_per_worker, (int, float))
             or not cpus_per_worker > 0):

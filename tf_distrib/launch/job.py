@@ -34,14 +34,20 @@ class JobConfig:
     module: str | None = None
     args: list[str] = dataclasses.field(default_factory=list)
     num_workers: int = 1
+    min_workers: int | None = None
     max_restarts: int = 0
     startup_timeout: float | None = 300.0
+    hang_timeout: float | None = None
     grace_period: float = 5.0
     timeout: float | None = None
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     hosts: list[str] | None = None
     host_index: int = 0
     base_port: int = 29400
+    min_hosts: int | None = None
+    rendezvous_timeout: float = 60.0
+    slot_failures: int = 2
+    rejoin_interval: float = 600.0
     summary_file: str | None = None
 
     @property
@@ -86,6 +92,12 @@ def load_job_file(path: str) -> JobConfig:
         raise LaunchError(f"Job file {path!r} has unknown key(s) {unknown}; known keys: "
                           f"{', '.join(sorted(_FIELDS))}.")
     _check_types(data, path)
+    if isinstance(data.get("num_workers"), str):
+        try:
+            data["min_workers"], data["num_workers"] = parse_worker_range(data["num_workers"])
+        except LaunchError as e:
+            raise LaunchError(f"Job file {path!r}: 'num_workers' has the wrong type or form: "
+                              f"{e}") from None
     config = JobConfig(**data)
     if config.script and not os.path.isabs(config.script):
         config.script = os.path.join(os.path.dirname(os.path.abspath(path)), config.script)
@@ -94,14 +106,36 @@ def load_job_file(path: str) -> JobConfig:
     return config
 
 
+def parse_worker_range(text: str) -> tuple[int | None, int]:
+    """"N" -> (None, N); "MIN:MAX" -> (MIN, MAX) (an elastic launch).
+
+    Raises:
+        LaunchError: anything else, or MIN > MAX, or a count below 1.
+    """
+    low, sep, high = str(text).partition(":")
+    if not (low.isdigit() and (not sep or high.isdigit())):
+        raise LaunchError(f"The number of workers must be N or MIN:MAX (e.g. 2 or 1:4), got "
+                          f"{text!r}.")
+    minimum, maximum = int(low), int(high) if sep else int(low)
+    if not sep and maximum < 1:
+        raise LaunchError(f"num_workers must be an integer >= 1, got {text}.")
+    if minimum < 1 or minimum > maximum:
+        raise LaunchError(f"The number of workers MIN:MAX needs 1 <= MIN <= MAX, got {text!r}.")
+    return (minimum if sep else None), maximum
+
+
 def _check_types(data: dict, path: str) -> None:
-    expected = {"script": str, "module": str, "args": list, "num_workers": int,
-                "max_restarts": int, "startup_timeout": (int, float), "grace_period": (int, float),
-                "timeout": (int, float), "env": dict, "hosts": list, "host_index": int,
-                "base_port": int, "summary_file": str}
+    seconds = (int, float)
+    expected = {"script": str, "module": str, "args": list, "num_workers": (int, str),
+                "min_workers": int, "max_restarts": int, "startup_timeout": seconds,
+                "hang_timeout": seconds, "grace_period": seconds, "timeout": seconds,
+                "env": dict, "hosts": list, "host_index": int, "base_port": int,
+                "min_hosts": int, "rendezvous_timeout": seconds, "slot_failures": int,
+                "rejoin_interval": seconds, "summary_file": str}
     for key, value in data.items():
-        if value is None and key in ("startup_timeout", "timeout", "hosts", "script", "module",
-                                     "summary_file"):
+        if value is None and key in ("startup_timeout", "hang_timeout", "timeout", "hosts",
+                                     "script", "module", "summary_file", "min_workers",
+                                     "min_hosts"):
             continue
         if isinstance(value, bool) or not isinstance(value, expected[key]):
             raise LaunchError(f"Job file {path!r}: '{key}' has the wrong type "

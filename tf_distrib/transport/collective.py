@@ -28,8 +28,9 @@ import time
 
 import numpy as np
 
+from tf_distrib import watchdog
 from tf_distrib.transport.buffers import BufferPool, Layout
-from tf_distrib.transport.errors import TransportError
+from tf_distrib.transport.errors import PeerLostError, TransportError
 from tf_distrib.transport.mesh import Mesh, TransportUnavailable
 from tf_distrib.transport.ring import ring_all_reduce
 from tf_distrib.transport.shared_memory import SharedMemoryReducer, SharedSegment, chunk_bytes_for
@@ -138,9 +139,16 @@ class Transport:
         """The last collectives (seq, bytes, started, ended: None while running), oldest first."""
         return [dict(r) for r in self._recorder]
 
+    def waiting_for(self) -> list[str]:
+        """The peers this worker is waiting for right now, inside a collective."""
+        return [str(c.peer) for c in self.mesh.connections.values() if c.waiting]
+
     def _stop(self, error: TransportError) -> None:
         """Remembers `error` and tells every peer, so that each fails fast, naming the cause."""
         self.failure = error
+        if isinstance(error, PeerLostError):
+            watchdog.write_failure_report(self.mesh.peers[self.rank].task, str(error), self,
+                                          lost_peer=error.peer.task)
         me = self.mesh.peers[self.rank]
         for connection in self.mesh.connections.values():
             connection.abort(f"{me} stopped its transport: {error}")

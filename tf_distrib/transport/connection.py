@@ -68,6 +68,7 @@ class Connection:
         self._rsock = sock.dup()
         self._rsock.settimeout(self._interval)
         self.last_heard = time.monotonic()
+        self.waiting = False  # inside wait(): the flight recorder shows whom we wait for
         self.failure: TransportError | None = None
         self._closing = False
         self._lock = threading.Condition()
@@ -107,8 +108,12 @@ class Connection:
 
     def wait(self, request: Request) -> None:
         """Returns when `request` is done; raises if it failed or the peer is lost."""
-        while not request.done.wait(self._interval):
-            self.check_alive()
+        self.waiting = True
+        try:
+            while not request.done.wait(self._interval):
+                self.check_alive()
+        finally:
+            self.waiting = False
         if request.error is not None:
             raise request.error
 

@@ -37,6 +37,7 @@ def all_reduce(transport: Transport, tensors: list[tf.Tensor]) -> list[tf.Tensor
     """
     if not tensors:
         return []
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
     prepare(transport)
     token = _tokens[transport]
     ticket = tf.convert_to_tensor(token.assign_add(1))
@@ -44,8 +45,11 @@ def all_reduce(transport: Transport, tensors: list[tf.Tensor]) -> list[tf.Tensor
         lambda number, *arrays: transport.all_reduce(list(arrays), seq=int(number)),
         [ticket, *tensors], [t.dtype for t in tensors], stateful=True,
         name="tf_distrib_all_reduce")
-    with tf.control_dependencies(outputs):
-        token.assign_add(0)  # the next collective starts after this one has finished
+    if not isinstance(outputs, (list, tuple)):  # one output, run eagerly
+        outputs = [outputs]
+    if not tf.executing_eagerly():
+        with tf.control_dependencies(outputs):
+            token.assign_add(0)  # the next collective starts after this one has finished
     for output, tensor in zip(outputs, tensors, strict=True):
         output.set_shape(tensor.shape)
     return list(outputs)

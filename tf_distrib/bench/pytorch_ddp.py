@@ -1,0 +1,66 @@
+"""PyTorch DistributedDataParallel on the same model, batch and pinning: the peer to beat.
+
+Runs only where torch happens to be installed (tf_distrib never depends on it): gloo on
+127.0.0.1, one intra-op thread and one core per process, MLP 784-1024-1024-10, SGD, a
+batch of 128 per process. One process trains the plain model; two wrap it in DDP.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+
+
+def available() -> bool:
+    return importlib.util.find_spec("torch") is not None
+
+
+def _worker(port: int, steps: int, batch: int) -> float:
+    import torch
+    import torch.distributed as dist
+
+    rank = int(os.environ["TF_DISTRIB_WORKER_INDEX"])
+    world = int(os.environ["TF_DISTRIB_NUM_WORKERS"])
+    os.sched_setaffinity(0, {rank % os.cpu_count()})
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(784, 1024), torch.nn.ReLU(),
+                                torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
+                                torch.nn.Linear(1024, 10))
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world)
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.rand(steps, batch, 784)
+    y = torch.randint(0, 10, (steps, batch))
+
+    def epoch():
+        for i in range(steps):
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x[i]), y[i]).backward()
+            optimizer.step()
+
+    epoch()  # warm-up
+    start = time.perf_counter()
+    epoch()
+    rate = steps * batch * world / (time.perf_counter() - start)
+    if world > 1:
+        dist.destroy_process_group()
+    return rate
+
+
+def examples_per_sec(workers: int, steps: int = 60, batch: int = 128) -> float:
+    """Global examples/s of `workers` pinned PyTorch processes (the best of two runs)."""
+    from tf_distrib.cluster import free_ports
+    from tf_distrib.launch import launch
+
+    rates = []
+    for _ in range(2):
+        result = launch(_worker, workers, args=(free_ports(1)[0], steps, batch), quiet=True,
+                        startup_timeout=None, timeout=600)
+        if result.exit_code:
+            raise RuntimeError(result.failure_report())
+        rates.append(result.values[0])
+    return max(rates)

@@ -1,0 +1,75 @@
+"""One save at a time on a thread of its own, waited for before the process exits."""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import threading
+import time
+
+# How long an exiting process waits for a backup still being written.
+EXIT_WAIT_SECONDS = 600.0
+
+
+class BackgroundSave:
+    """Runs save jobs one at a time off the training thread.
+
+    `start` waits for the previous job first (at most one in flight); `wait` returns
+    once the current one is done and raises what it raised. An exiting interpreter
+    waits for a running job (up to `EXIT_WAIT_SECONDS`), so a backup that was started
+    is finished unless the process is killed, and a killed write leaves only a
+    temporary directory that restores ignore.
+    """
+
+    def __init__(self):
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._what = ""
+        atexit.register(self._wait_at_exit)
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, job, what: str) -> float:
+        """Runs `job()` in the background; returns the seconds spent waiting for the last."""
+        waited = self.wait()
+        self._what = what
+        self._thread = threading.Thread(target=self._run, args=(job,), daemon=True,
+                                        name="tf_distrib-backup")
+        self._thread.start()
+        return waited
+
+    def wait(self, timeout: float | None = None) -> float:
+        """Waits for the running job; returns the seconds waited.
+
+        Raises:
+            RuntimeError: the job failed (the cause is chained).
+            TimeoutError: it still runs after `timeout` seconds.
+        """
+        start = time.monotonic()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"{self._what} still runs after {timeout:g} s.")
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"{self._what} failed: {error}") from error
+        return time.monotonic() - start
+
+    def _run(self, job) -> None:
+        try:
+            job()
+        except BaseException as e:  # surfaced by the next wait()
+            self._error = e
+
+    def _wait_at_exit(self) -> None:
+        if not self.busy:
+            return
+        sys.stderr.write(f"tf_distrib: waiting for {self._what} to finish before exiting\n")
+        sys.stderr.flush()
+        try:
+            self.wait(EXIT_WAIT_SECONDS)
+        except (RuntimeError, TimeoutError) as e:
+            sys.stderr.write(f"tf_distrib: {e}\n")

@@ -1,0 +1,232 @@
+"""Hang watchdog and flight recorder for multi-worker training.
+
+A worker that is alive but stuck (a deadlocked input pipeline, a blocking call, a
+paused process) leaves its peers waiting in a collective, and TensorFlow's heartbeat
+only catches dead processes. `make_strategy()` gives each MultiWorkerMirroredStrategy
+worker a `Watchdog`: every step the strategy runs (training, evaluation, prediction)
+counts itself in a variable, from inside the step's graph (a few microseconds), and the
+watchdog's thread reads that count once a second. When no step has finished for
+`hang_timeout` seconds, the worker writes a flight-recorder report (its last steps with timestamps,
+its transport's last collectives and whom it waits for, every Python thread's stack),
+tells the other workers through TensorFlow's coordination service so that they write
+theirs too, and exits with `contract.HUNG_EXIT_CODE` (76). `tf-distrib launch` reads
+the reports, names the worker(s) that stopped first, and restarts the group.
+
+The watchdog arms after the first step (tracing a large model may take minutes),
+fires only while Keras' `fit`, `evaluate` or `predict` (or a tf.function) runs, so a
+script's own work between them is never cut short, and pauses while `BackupAndRestore`
+saves; wrap other long work inside training (a large chief-only export in a callback,
+say) in `tf_distrib.watchdog.paused("exporting")`.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+
+from tf_distrib import contract
+
+#: Seconds without a finished step before the watchdog fires, unless told otherwise.
+DEFAULT_HANG_TIMEOUT = 600.0
+# Steps the flight recorder remembers.
+RECORDED_STEPS = 32
+
+_active: Watchdog | None = None
+# A frame of TensorFlow running a tf.function (Keras' train, test and predict steps).
+_STEP_FRAME = "tensorflow/python/eager/polymorphic_function/"
+# Keras' training loops (fit, evaluate, predict) and the callbacks they call.
+_KERAS_LOOP = "keras/src/backend/tensorflow/trainer.py"
+
+
+class Watchdog:
+    """Stops this worker, with a report, when no step finishes for `timeout` seconds.
+
+    Args:
+        task: This worker's task, e.g. "worker:1".
+        timeout: Seconds without a finished step (after the first one).
+        progress: Returns how many steps have finished so far.
+        transport: The worker's `tf_distrib.transport.Transport`, for the report.
+        report_dir: Where to write the report. Defaults to None: the launcher's
+            TF_DISTRIB_REPORT_DIR, else nowhere (the summary goes to stderr anyway).
+        key: The coordination-service key through which workers tell each other
+            that one fired (None: no peers to tell).
+        exit: Called with the exit status once the report is written. Defaults to
+            `os._exit` (the process is stuck; nothing else would end it).
+    """
+
+    def __init__(self, task: str, timeout: float, progress, *, transport=None,
+                 report_dir: str | None = None, key: str | None = None, exit=os._exit):
+        global _active
+        self.task, self.timeout, self.transport, self.key = task, timeout, transport, key
+        self._progress = progress
+        self.report_dir = report_dir or os.environ.get(contract.ENV_REPORT_DIR)
+        self.steps = 0
+        self.last_step_at: float | None = None
+        self.report: dict | None = None
+        self._recent: collections.deque = collections.deque(maxlen=RECORDED_STEPS)
+        self._pauses: list[str] = []
+        self._exit = exit
+        self._stopped = threading.Event()
+        _active = self
+        threading.Thread(target=self._watch, name="tf_distrib-watchdog", daemon=True).start()
+
+    def _observe(self) -> None:
+        steps = self._progress()
+        if steps != self.steps:
+            self.steps, self.last_step_at = steps, time.time()
+            self._recent.append((steps, self.last_step_at))
+
+    @contextlib.contextmanager
+    def paused(self, reason: str):
+        """No step needs to finish while inside (a long save, an export)."""
+        self._pauses.append(reason)
+        try:
+            yield
+        finally:
+            self._pauses.remove(reason)
+            self.last_step_at = time.time() if self.last_step_at is not None else None
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _watch(self) -> None:
+        interval = min(1.0, self.timeout / 10)
+        while not self._stopped.wait(interval):
+            self._observe()
+            told = self._told_by_peer(interval)
+            if told is not None:
+                self._fire(f"{told} reported a hang")
+                return
+            if (self.last_step_at is not None and not self._pauses
+                    and time.time() - self.last_step_at > self.timeout):
+                if not _training():
+                    # Between fits (the script saves, exports, evaluates by hand): wait
+                    # for the next step instead.
+                    self.last_step_at = None
+                    continue
+                self._fire(f"no step finished for {self.timeout:g} s")
+                return
+
+    def _told_by_peer(self, wait: float) -> str | None:
+        if self.key is None:
+            return None
+        from tf_distrib import _compat
+
+        try:
+            return json.loads(_compat.coordination_service().get_config_key_value(
+                self.key, max(1, int(wait * 1000))))["task"]
+        except Exception:  # no such key yet, or the coordination service is gone
+            return None
+
+    def _fire(self, cause: str) -> None:
+        self.report = self._report(cause)
+        path = _write_report(self.report, self.report_dir)
+        last = "none"
+        if self.last_step_at is not None:
+            clock = time.strftime("%H:%M:%S", time.localtime(self.last_step_at))
+            last = f"step {self.steps} at {clock}"
+        main = self.report["stacks"].get("MainThread", [])
+        sys.stderr.write(
+            f"tf_distrib watchdog: {self.task}: {cause} (last finished step: {last}); "
+            f"exiting with status {contract.HUNG_EXIT_CODE}."
+            + (f" Flight recorder: {path}." if path else "") + "\n"
+            + "".join(f"    {line}" for line in main[-6:]))
+        sys.stderr.flush()
+        self._tell_peers()
+        self._exit(contract.HUNG_EXIT_CODE)
+
+    def _tell_peers(self) -> None:
+        """Publishes the hang, then gives the peers a moment to write their reports."""
+        if self.key is None:
+            return
+        from tf_distrib import _compat
+
+        with contextlib.suppress(Exception):  # a peer told us first, or the service is gone
+            _compat.coordination_service().set_config_key_value(
+                self.key, json.dumps({"task": self.task, "step": self.steps}))
+        time.sleep(3.0)
+
+    def _report(self, cause: str) -> dict:
+        names = {t.ident: t.name for t in threading.enumerate()}
+        stacks = {names.get(ident, str(ident)): traceback.format_stack(frame)
+                  for ident, frame in sys._current_frames().items()}
+        transport = None
+        if self.transport is not None:
+            transport = {"mode": self.transport.mode, "recent": self.transport.recent(),
+                         "waiting_for": self.transport.waiting_for()}
+        main = stacks.get("MainThread", [])
+        return {"task": self.task, "pid": os.getpid(), "cause": cause, "fired_at": time.time(),
+                "hang_timeout": self.timeout, "steps": self.steps,
+                "last_step_at": self.last_step_at, "recent_steps": list(self._recent),
+                "paused": list(self._pauses), "transport": transport,
+                # Inside a step, a worker waits (for its input or its peers); outside
+                # one, its own Python code (a callback, the training loop) holds it.
+                "in_step": any(_STEP_FRAME in line for line in main), "stacks": stacks}
+
+
+def _training() -> bool:
+    """Whether the main thread is in Keras' fit/evaluate/predict or in a tf.function."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    while frame is not None:
+        if _STEP_FRAME in frame.f_code.co_filename or _KERAS_LOOP in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
+@contextlib.contextmanager
+def paused(reason: str):
+    """Pauses this process's watchdog (if any) while inside: for long work between steps.
+
+    Example:
+
+    ```python
+    with tf_distrib.watchdog.paused("exporting the model"):
+        if td.callbacks.is_chief():
+            model.export("/shared/model")
+    ```
+    """
+    if _active is None:
+        yield
+    else:
+        with _active.paused(reason):
+            yield
+
+
+def _write_report(report: dict, directory: str | None) -> str | None:
+    if not directory:
+        return None
+    attempt = contract.attempt()
+    index = contract.worker_index()
+    name = f"report-{attempt}-{index if index is not None else report['task'].replace(':', '-')}"
+    path = os.path.join(directory, name + ".json")
+    try:
+        with open(path + ".tmp", "w") as f:
+            json.dump(report, f)
+        os.replace(path + ".tmp", path)
+    except OSError:
+        return None
+    return path
+
+
+def write_failure_report(task: str, cause: str, transport=None, lost_peer: str | None = None):
+    """A short report for the launcher when a worker fails for a reason it can name.
+
+    Args:
+        task: This worker's task.
+        cause: What happened, in words.
+        transport: Its transport, whose last collectives go in the report.
+        lost_peer: The task of the peer this worker lost, if that is what happened.
+    """
+    report = {"task": task, "pid": os.getpid(), "cause": cause, "fired_at": time.time(),
+              "lost_peer": lost_peer,
+              "transport": None if transport is None else {
+                  "mode": transport.mode, "recent": transport.recent(),
+                  "waiting_for": transport.waiting_for()}}
+    _write_report(report, os.environ.get(contract.ENV_REPORT_DIR))

@@ -1,15 +1,21 @@
 # The two commands: `make demo` and `make test`. Each creates .venv and installs the
-# package on first use (and again when setup.cfg or pyproject.toml change).
+# package with the exact versions of constraints.txt on first use (and again when
+# setup.cfg, pyproject.toml or constraints.txt change).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
+FAST := not multiprocess and not slow and not gpu
 
-.PHONY: demo test bench lint venv
+.PHONY: demo test test-fast bench docs notebooks gpu-check lint venv constraints
 
-$(INSTALLED): setup.cfg pyproject.toml
+$(INSTALLED): setup.cfg pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,ray]'
+	# A venv made before tf_distrib required `tensorflow` holds `tensorflow-cpu`: two
+	# TensorFlows would share one package directory.
+	$(PY) -m pip uninstall --quiet --yes tensorflow-cpu 2>/dev/null || true
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt \
+		-e '.[dev,ray,docs]'
 	touch $@
 
 venv: $(INSTALLED)
@@ -17,12 +23,38 @@ venv: $(INSTALLED)
 demo: $(INSTALLED)
 	$(VENV)/bin/tf-distrib demo
 
+# The whole suite, notebooks and multi-process tests included (what CI runs).
 test: $(INSTALLED)
-	$(VENV)/bin/ruff check tf_distrib tests examples
+	$(VENV)/bin/ruff check tf_distrib tests examples notebooks
 	$(PY) -m pytest -q
+
+# In-process tests only: under 3 minutes.
+test-fast: $(INSTALLED)
+	$(PY) -m pytest -q -m "$(FAST)"
 
 bench: $(INSTALLED)
 	$(VENV)/bin/tf-distrib bench
 
+# The documentation site (mkdocs, API reference from the docstrings); warnings fail it.
+docs: $(INSTALLED)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir site
+
+# Runs every notebook and commits its outputs (plots) into it.
+notebooks: $(INSTALLED)
+	$(PY) notebooks/execute.py --write notebooks/*.ipynb
+
+# On a machine with NVIDIA GPUs: the GPU tests, then the GPU benchmarks, in one go.
+gpu-check: $(INSTALLED)
+	$(PY) -m pytest -q -m gpu -rs
+	$(VENV)/bin/tf-distrib bench gpu
+
 lint: $(INSTALLED)
-	$(VENV)/bin/ruff check tf_distrib tests examples
+	$(VENV)/bin/ruff check tf_distrib tests examples notebooks
+
+# Re-resolves the newest versions within setup.cfg's ranges into constraints.txt.
+constraints:
+	rm -rf .constraints-venv && $(PYTHON) -m venv .constraints-venv
+	.constraints-venv/bin/pip install --quiet --disable-pip-version-check -e '.[dev,ray,docs]'
+	(sed -n '1,3p' constraints.txt; .constraints-venv/bin/pip freeze --exclude-editable \
+		| grep -v '^tf_distrib') > constraints.txt.new
+	mv constraints.txt.new constraints.txt && rm -rf .constraints-venv

@@ -5,9 +5,13 @@ KILL_SIGNALS = {"SIGKILL": 9, "SIGTERM": 15}
 
 def train_with_backup(backup_dir, epochs=3, save_freq=10, kill_at=None, kill_worker=0,
                       kill_with="SIGKILL", logical_cpus=None, num_examples=1024,
-                      global_batch_size=32):
+                      global_batch_size=32, slow_saves=None):
     """Trains with BackupAndRestore; on the launcher's first attempt, worker
-    `kill_worker` kills itself after `kill_at` steps. Returns weights and counters."""
+    `kill_worker` kills itself after `kill_at` steps. Returns weights and counters.
+
+    `slow_saves` maps global steps to seconds their backup takes longer to write
+    (writing happens in the background: training goes on meanwhile).
+    """
     import os
     import signal
 
@@ -37,6 +41,12 @@ def train_with_backup(backup_dir, epochs=3, save_freq=10, kill_at=None, kill_wor
                                          global_batch_size)
     backup = td.callbacks.BackupAndRestore(backup_dir, save_freq=save_freq,
                                            delete_checkpoint=False)
+    if slow_saves:
+        import time
+
+        write = backup._store.write
+        backup._store.write = lambda step, *a: (time.sleep(slow_saves.get(step, 0)),
+                                                write(step, *a))[1]
     callbacks = [backup]
     first_attempt = os.environ.get("TF_DISTRIB_ATTEMPT", "0") == "0"
     if kill_at and first_attempt and os.environ["TF_DISTRIB_WORKER_INDEX"] == str(kill_worker):

@@ -1,6 +1,11 @@
 """BackupAndRestore with real crashes (SIGKILL), real SIGTERM and real files."""
 
 import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
 import warnings
 
 import keras
@@ -23,6 +28,7 @@ def assert_bitwise_equal(a, b):
 
 
 @pytest.mark.parametrize("logical_cpus", [None, 4], ids=["no strategy", "mirrored x4"])
+@pytest.mark.multiprocess
 def test_mid_epoch_crash_resumes_bitwise_exactly(tmp_path, logical_cpus):
     # 1024 examples / 32 = 32 steps per epoch; SIGKILL at step 45 (epoch 1, step 13);
     # the last backup is step 40, so 8 steps of epoch 1 are skipped on resume.
@@ -41,6 +47,23 @@ def test_mid_epoch_crash_resumes_bitwise_exactly(tmp_path, logical_cpus):
     np.testing.assert_array_equal(resumed["loss"], reference.value["loss"][1:])
 
 
+@pytest.mark.multiprocess
+def test_killed_while_a_backup_is_written_resumes_from_the_previous_one(tmp_path):
+    [reference] = run_workers(train_with_backup, 1, args=(str(tmp_path / "ref"),),
+                              startup_timeout=None, quiet=True)
+    # The backup of step 20 takes a minute to write, in the background; training goes on
+    # and the process is killed at step 22, in the middle of that write.
+    result = launch(train_with_backup, 1, args=(str(tmp_path / "b"),),
+                    kwargs={"kill_at": 22, "slow_saves": {20: 60}}, max_restarts=1,
+                    startup_timeout=None, quiet=True, timeout=240)
+    assert result.exit_code == 0, result.failure_report()
+    assert result.exit_codes[0] == [-9]
+    resumed = result.values[0]
+    assert resumed["restored_step"] == 10
+    assert_bitwise_equal(resumed, reference.value)
+    assert [p for p in os.listdir(tmp_path / "b") if p.startswith(".tmp-")]  # the cut write
+
+
 @pytest.fixture(scope="module")
 def two_worker_reference(tmp_path_factory):
     backup_dir = str(tmp_path_factory.mktemp("reference"))
@@ -49,6 +72,7 @@ def two_worker_reference(tmp_path_factory):
     return workers[0].value
 
 
+@pytest.mark.multiprocess
 def test_two_workers_killed_mid_epoch_resume_bitwise_exactly(tmp_path, two_worker_reference):
     backup_dir = tmp_path / "shared"
     result = launch(train_with_backup, 2, args=(str(backup_dir),),
@@ -63,6 +87,7 @@ def test_two_workers_killed_mid_epoch_resume_bitwise_exactly(tmp_path, two_worke
     assert sorted(os.listdir(backup_dir)) == ["backup-000000000090", "backup-000000000096"]
 
 
+@pytest.mark.multiprocess
 def test_sigterm_saves_all_workers_at_one_step_and_resumes(tmp_path, two_worker_reference):
     backup_dir = tmp_path / "shared"
     result = launch(train_with_backup, 2, args=(str(backup_dir),),
@@ -210,3 +235,84 @@ def test_skipped_steps_report_the_restored_metrics_to_other_callbacks(tmp_path):
     assert callback.restored_step == 4
     assert len(ReadLoss.seen) == 8 and all(np.isfinite(ReadLoss.seen))
     assert ReadLoss.seen[0] == ReadLoss.seen[3]  # the 4 skipped steps report the backup's loss
+
+
+def slow_writes(callback, seconds):
+    write = callback._store.write
+    callback._store.write = lambda *a: (time.sleep(seconds), write(*a))[1]
+    return callback
+
+
+def test_a_save_due_while_one_is_written_waits_for_it(tmp_path, capsys):
+    callback = slow_writes(td.callbacks.BackupAndRestore(str(tmp_path), save_freq=2,
+                                                         delete_checkpoint=False), 0.5)
+    start = time.monotonic()
+    small_model().fit(small_data(), epochs=1, verbose=0, callbacks=[callback])
+    # 4 saves of 0.5 s, one at a time: the last one done before fit returns.
+    assert time.monotonic() - start >= 4 * 0.5
+    assert "waited" in capsys.readouterr().out
+    assert sorted(os.listdir(tmp_path)) == ["backup-000000000006", "backup-000000000008"]
+
+
+@pytest.mark.multiprocess
+def test_an_exception_in_fit_still_finishes_the_backup_in_flight(tmp_path):
+    code = textwrap.dedent(f"""
+        import time, keras, numpy as np, tensorflow as tf
+        import tf_distrib as td
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        model.compile("sgd", "mse")
+        x = np.ones((64, 4), "float32")
+        backup = td.callbacks.BackupAndRestore({str(tmp_path)!r}, save_freq=4)
+        write = backup._store.write
+        backup._store.write = lambda *a: (time.sleep(3), write(*a))[1]
+
+        class Crash(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                if batch == 4:
+                    raise RuntimeError("crash")
+
+        model.fit(x, x[:, :3], batch_size=8, verbose=0, callbacks=[backup, Crash()])
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1 and "RuntimeError: crash" in done.stderr
+    assert "waiting for writing the backup of step 4" in done.stderr
+    assert os.listdir(tmp_path) == ["backup-000000000004"]
+    assert td.callbacks.backup_store.BackupStore(str(tmp_path), 2).read_latest() is not None
+
+
+@pytest.mark.multiprocess
+def test_sigterm_is_no_longer_trapped_once_fit_has_raised():
+    code = textwrap.dedent("""
+        import os, signal, time, keras, numpy as np
+        import tf_distrib as td
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        model.compile("sgd", "mse")
+        x = np.ones((64, 4), "float32")
+
+        class Crash(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                raise RuntimeError("crash")
+
+        try:
+            model.fit(x, x[:, :3], batch_size=8, verbose=0, callbacks=[
+                td.callbacks.BackupAndRestore("/tmp/unused-backup"), Crash()])
+        except RuntimeError:
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)  # the default action: the process ends here
+        time.sleep(5)
+        print("still alive")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == -signal.SIGTERM, done.stdout + done.stderr
+    assert "still alive" not in done.stdout
+
+
+def test_backups_on_a_tf_io_gfile_filesystem(tmp_path):
+    directory = f"ram://tf_distrib_test/{tmp_path.name}"
+    fit_with_backups(directory)
+    model = small_model()
+    callback = td.callbacks.BackupAndRestore(directory, delete_checkpoint=False)
+    model.fit(small_data(), epochs=3, verbose=0, callbacks=[callback])
+    assert callback.restored_step == 16

@@ -131,6 +131,23 @@ def test_all_reduce_in_a_function_reduce_and_gather(name):
     np.testing.assert_allclose(gathered, np.concatenate([a[0][0] for a in arrays]), rtol=1e-6)
 
 
+@pytest.mark.parametrize("dtype, inner", [("bfloat16", None), ("float16", None),
+                                          ("bfloat16", RingAllReduce()),
+                                          ("bfloat16", BucketedAllReduce(256))])
+def test_compression_really_rounds_what_it_sends(dtype, inner):
+    # 1 + 2^-12 is no bfloat16 (nor, halved, a float16): an op that skipped compression
+    # would return 2 + 2^-11, one that compressed returns exactly 2.
+    strategy = tf.distribute.MirroredStrategy(
+        devices(2), cross_device_ops=CompressedAllReduce(dtype, inner=inner))
+    x = 1.0 + 2.0 ** -12
+    values = strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.fill([300], tf.constant(x, tf.float32)))
+    [reduced] = strategy.extended.batch_reduce_to("SUM", [(values, values)])
+    for component in strategy.experimental_local_results(reduced):
+        np.testing.assert_array_equal(component, np.full(300, 2.0, np.float32))
+    assert np.float32(x) + np.float32(x) != np.float32(2.0)
+
+
 def fit_loss(strategy):
     keras.utils.set_random_seed(0)
     with strategy.scope():
@@ -195,6 +212,7 @@ def gradient_collectives(strategy, model):
     return sent
 
 
+@pytest.mark.multiprocess
 def test_mwms_gradient_compression_keeps_workers_in_sync():
     runs = {args: [w.value for w in run_workers(compressed_mwms_job, 2, args=args,
                                                  quiet=True, timeout=240)]

@@ -132,6 +132,7 @@ def test_exactly_once_on_mirrored_four_replicas(file_dir):
         assert_exactly_once(ids, steps, dropped), (name, policy)
 
 
+@pytest.mark.multiprocess
 def test_exactly_once_across_two_workers(file_dir, tfds_dir):
     workers = run_workers(collect_ids, 2, args=(str(file_dir), tfds_dir), quiet=True,
                           timeout=240)

@@ -3,6 +3,10 @@
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.multiprocess
+
 
 def test_demo_survives_the_injected_failure_and_prints_the_summary():
     done = subprocess.run([sys.executable, "-m", "tf_distrib.demo", "--epochs", "2"],

@@ -253,11 +253,13 @@ def tfjob_chief_and_worker_on_loopback():
     return [tfjob_env(replicas, "chief", 0, address), tfjob_env(replicas, "worker", 0, address)]
 
 
+@pytest.mark.multiprocess
 def test_tfjob_chief_and_worker_train(tmp_path):
     reports = run_processes(tfjob_chief_and_worker_on_loopback(), tmp_path)
     check_trained_together(reports, [("chief", 0), ("worker", 0)])
 
 
+@pytest.mark.multiprocess
 def test_tfjob_restart_model_survivor_exits_and_rerun_resumes(tmp_path):
     """TFJob's OnFailure restarts only failed pods: the survivors must fail by themselves."""
     envs = tfjob_chief_and_worker_on_loopback()
@@ -268,10 +270,11 @@ def test_tfjob_restart_model_survivor_exits_and_rerun_resumes(tmp_path):
     start = time.monotonic()
     codes, logs = start_and_wait(first, tmp_path, timeout=120)
     assert codes[1] == -signal.SIGKILL, logs[1]
-    # The chief was not told: TF's heartbeat finds the dead peer (about 10 s) and
-    # the chief exits non-zero, so Kubernetes restarts its pod too.
+    # The chief was not told: its gradient transport finds the dead peer at once (TF's
+    # heartbeat would, after about 10 s) and the chief exits non-zero, so Kubernetes
+    # restarts its pod too.
     assert codes[0] not in (0, None), logs[0]
-    assert "unhealthy" in logs[0] or "Collective ops is aborted" in logs[0], logs[0]
+    assert "PeerLostError: worker:0 (127.0.0.1:" in logs[0], logs[0]
     assert time.monotonic() - start < 100
     # The restarted pods keep their names (here: addresses) and resume from the backup.
     rerun = [{**env, "ENGINE_JOB_EPOCHS": "3", "TF_DISTRIB_ATTEMPT": "1"} for env in envs]
@@ -281,6 +284,7 @@ def test_tfjob_restart_model_survivor_exits_and_rerun_resumes(tmp_path):
     assert reports[0]["weights_sha256"] == reports[1]["weights_sha256"]
 
 
+@pytest.mark.multiprocess
 def test_vertex_chief_and_worker_train(tmp_path):
     p = free_ports(2)
     address = loopback({"workerpool0": [p[0]], "workerpool1": [p[1]]})
@@ -303,6 +307,7 @@ def consecutive_free_ports(n):
     raise RuntimeError(f"found no {n} consecutive free ports")
 
 
+@pytest.mark.multiprocess
 def test_slurm_two_tasks_on_one_node_train(tmp_path):
     base = consecutive_free_ports(2)
     reports = run_processes([slurm_env(["127.0.0.1"], 2, r, port_base=base) for r in (0, 1)],
@@ -315,6 +320,7 @@ def test_slurm_two_tasks_on_one_node_train(tmp_path):
 EXAMPLES = os.path.join(REPO_ROOT, "examples")
 
 
+@pytest.mark.multiprocess
 def test_example_script_trains_under_slurm_and_the_chief_saves_the_model(tmp_path):
     import keras
 
@@ -328,7 +334,10 @@ def test_example_script_trains_under_slurm_and_the_chief_saves_the_model(tmp_pat
     assert model.count_params() == 16 * 64 + 64 + 64 * 64 + 64 + 64 * 4 + 4
 
 
+@pytest.mark.multiprocess
 def test_ray_example_runs_the_same_script(tmp_path):
+    pytest.importorskip("ray", reason="needs the ray extra (pip install 'tf_distrib[ray]'); "
+                                      "`make test` installs it")
     done = subprocess.run(
         [sys.executable, os.path.join(EXAMPLES, "ray_train.py"), "--max-failures", "0",
          "--storage-path", str(tmp_path), "--name", "example", "--epochs", "1",

@@ -13,6 +13,8 @@ import pytest
 from tf_distrib.cluster import free_ports
 from tf_distrib.launch import launch
 
+pytestmark = pytest.mark.multiprocess
+
 LAUNCH = [sys.executable, "-m", "tf_distrib.launch"]
 
 CRASH_ON_FIRST_ATTEMPT = """
@@ -186,6 +188,7 @@ def test_bad_input_exits_2_and_starts_nothing(tmp_path, make_args, message):
 
 TRAIN_SCRIPT = """
 from tf_distrib.demo import train
+
 summary = train(epochs=1)
 print("result", summary["task"], summary["workers"], summary["loss"])
 """

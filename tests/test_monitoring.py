@@ -74,6 +74,7 @@ def chief_only_job(directory):
     return td.callbacks.is_chief()
 
 
+@pytest.mark.multiprocess
 def test_chief_only_writes_from_the_chief_and_one_progress_bar(tmp_path):
     workers = run_workers(chief_only_job, 2, args=(str(tmp_path),), quiet=True)
     assert [w.value for w in workers] == [True, False]
@@ -124,6 +125,7 @@ def doctor(tf_config, *flags):
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.multiprocess
 def test_doctor_healthy_cluster_exits_0():
     done = doctor(json.dumps(local_tf_configs(2)[1]))
     assert done.returncode == 0, done.stdout
@@ -131,6 +133,7 @@ def test_doctor_healthy_cluster_exits_0():
     assert "devices: 1 CPU" in done.stdout and "keras 3." in done.stdout
 
 
+@pytest.mark.multiprocess
 def test_doctor_broken_tf_config_exits_1():
     done = doctor('{"cluster": {"worker": ["127.0.0.1:2222"]}, "task": {"index": 0}}',
                   "--no-devices")
@@ -138,6 +141,7 @@ def test_doctor_broken_tf_config_exits_1():
     assert "task.type is missing" in done.stdout
 
 
+@pytest.mark.multiprocess
 def test_doctor_reports_a_busy_port_and_warns_about_public_addresses():
     import socket
 
@@ -154,6 +158,7 @@ def test_doctor_reports_a_busy_port_and_warns_about_public_addresses():
     assert any("34.1.2.3" in line and "no authentication" in line for line in lines)
 
 
+@pytest.mark.multiprocess
 def test_doctor_side_car_evaluator_outside_the_cluster():
     config = {"cluster": {"chief": ["127.0.0.1:2222"], "worker": ["127.0.0.1:2223"]},
               "task": {"type": "evaluator", "index": 0}}

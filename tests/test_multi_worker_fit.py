@@ -6,6 +6,8 @@ import pytest
 from tf_distrib.demo import train
 from tf_distrib.testing import WorkersFailed, run_workers
 
+pytestmark = pytest.mark.multiprocess
+
 
 def train_with_plain_mwms():
     import keras

@@ -6,10 +6,14 @@ import threading
 
 import numpy as np
 import pytest
-import ray  # the ray extra, which `make test` installs
 
 from tests._ray_training import train_on_ray
-from tf_distrib.integrations import ray as td_ray
+
+ray = pytest.importorskip("ray", reason="needs the ray extra (pip install 'tf_distrib[ray]'); "
+                                        "`make test` installs it")
+from tf_distrib.integrations import ray as td_ray  # noqa: E402
+
+pytestmark = pytest.mark.multiprocess
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EPOCHS, SAVE_FREQ, STEPS_PER_EPOCH = 2, 5, 16  # 512 examples, global batch 32

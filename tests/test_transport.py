@@ -84,6 +84,23 @@ def test_16_bit_sums_stay_within_one_rounding_per_hop(tmp_path, mode, dtype_name
     assert len({b"".join(s.tobytes() for s in w.value["sums"]) for w in workers}) == 1
 
 
+def late_peer(directory):
+    rank = int(os.environ["TF_DISTRIB_WORKER_INDEX"])
+    t = transport.connect(rank, ["worker:0", "worker:1"], "127.0.0.1",
+                          transport.FileStore(directory), secret=b"s", mode="tcp", timeout=30)
+    if rank == 1:
+        time.sleep(3)  # busy elsewhere: worker 0's 40 MB fill every socket buffer meanwhile
+    [total] = t.all_reduce([np.full(20_000_000, rank + 1.0, np.float32)])
+    t.close()
+    return float(total[0]), float(total[-1])
+
+
+def test_a_late_peer_is_waited_for_while_the_buffers_are_full(tmp_path):
+    workers = run_workers(late_peer, 2, args=(str(tmp_path),), startup_timeout=None,
+                          quiet=True)
+    assert [w.value for w in workers] == [(3.0, 3.0), (3.0, 3.0)]
+
+
 def test_a_worker_that_cannot_listen_makes_every_worker_fall_back(tmp_path):
     def connect(directory):
         rank = int(os.environ["TF_DISTRIB_WORKER_INDEX"])
@@ -102,6 +119,7 @@ def test_a_worker_that_cannot_listen_makes_every_worker_fall_back(tmp_path):
 
 def lose_a_peer(directory, how, peer_timeout):
     """Worker 1 dies (SIGKILL) or freezes (SIGSTOP) between two collectives."""
+    import contextlib
     import signal
 
     rank = int(os.environ["TF_DISTRIB_WORKER_INDEX"])
@@ -122,7 +140,7 @@ def lose_a_peer(directory, how, peer_timeout):
     except transport.PeerLostError as e:
         lost = {"seconds": time.monotonic() - start, "error": str(e)}
     if rank == 0:  # a stopped worker would otherwise wait for the launcher's timeout
-        with open(os.path.join(directory, "pid")) as f:
+        with open(os.path.join(directory, "pid")) as f, contextlib.suppress(ProcessLookupError):
             os.kill(int(f.read()), signal.SIGKILL)
     return lost
 

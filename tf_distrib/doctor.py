@@ -66,6 +66,12 @@ def check(environ=None, devices: bool = True,
                      f", inter-op {tf.config.threading.get_inter_op_parallelism_threads()} "
                      f"(0 = TensorFlow picks), {os.cpu_count()} cores"
                      + (f"; {', '.join(variables)}" if variables else ""))
+        from tf_distrib import _compat
+
+        missing = _compat.check()
+        lines.append("TensorFlow/Keras internals tf_distrib relies on: "
+                     + (f"{len(missing)} missing" if missing else "all present"))
+        problems += missing
     try:
         spec = cluster_lib.from_environment(env)
     except cluster_lib.ClusterConfigError as e:

@@ -68,7 +68,8 @@ class LinearWarmup(keras.optimizers.schedules.LearningRateSchedule):
     ```
     """
 
-    def __init__(self, after, warmup_steps: int, initial_learning_rate: float = 0.0):
+    def __init__(self, after: float | keras.optimizers.schedules.LearningRateSchedule,
+                 warmup_steps: int, initial_learning_rate: float = 0.0):
         super().__init__()
         check_int("warmup_steps", warmup_steps)
         if isinstance(after, dict):  # from get_config

@@ -119,7 +119,8 @@ def _split(structure, m: int) -> list:
     return [tree.pack_sequence_as(structure, [p[i] for p in pieces]) for i in range(m)]
 
 
-def pipeline(model, devices: list[str], *, num_microbatches: int = 1) -> PipelineModel:
+def pipeline(model: keras.Sequential | list[list[keras.layers.Layer]], devices: list[str], *,
+             num_microbatches: int = 1) -> PipelineModel:
     """Splits `model` into `len(devices)` stages, stage k's variables on `devices[k]`.
 
     Args:

@@ -29,8 +29,13 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from tf_distrib import contract
+
+if TYPE_CHECKING:
+    from tf_distrib.transport import Transport
 
 #: Seconds without a finished step before the watchdog fires, unless told otherwise.
 DEFAULT_HANG_TIMEOUT = 600.0
@@ -60,8 +65,9 @@ class Watchdog:
             `os._exit` (the process is stuck; nothing else would end it).
     """
 
-    def __init__(self, task: str, timeout: float, progress, *, transport=None,
-                 report_dir: str | None = None, key: str | None = None, exit=os._exit):
+    def __init__(self, task: str, timeout: float, progress: Callable[[], int], *,
+                 transport: Transport | None = None, report_dir: str | None = None,
+                 key: str | None = None, exit: Callable[[int], object] = os._exit):
         global _active
         self.task, self.timeout, self.transport, self.key = task, timeout, transport, key
         self._progress = progress
@@ -215,7 +221,8 @@ def _write_report(report: dict, directory: str | None) -> str | None:
     return path
 
 
-def write_failure_report(task: str, cause: str, transport=None, lost_peer: str | None = None):
+def write_failure_report(task: str, cause: str, transport: Transport | None = None,
+                         lost_peer: str | None = None) -> None:
     """A short report for the launcher when a worker fails for a reason it can name.
 
     Args:

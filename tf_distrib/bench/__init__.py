@@ -23,6 +23,7 @@ BENCHMARKS = {
     "fit_ops": "tf_distrib.bench.fit_ops",
     "scaling": "tf_distrib.bench.scaling",
     "model_parallel": "tf_distrib.bench.model_parallel",
+    "gpu": "tf_distrib.bench.gpu",
 }
 
 

@@ -1,10 +1,13 @@
-"""Cost of a backup: tf_distrib's BackupAndRestore next to Keras 3's, in one run.
+"""Cost of a backup: tf_distrib's BackupAndRestore (asynchronous and not) next to Keras 3's.
 
-Each callback backs up after every step (save_freq=1) of a `fit`; the difference
-from the same `fit` without a callback, per step, is the cost of one save. The
-overhead at save_freq="epoch" is that cost over one epoch's time, for an epoch of
-MNIST's size (60,000 examples, from the measured step time). Model: MLP
-784-512-512-10 with Adam (2.0M floats of weights and slots, 8 MB).
+Two measurements, each in the same run as the `fit` without backups it is compared to:
+
+- Small state (MLP 784-512-512-10 with Adam, 8 MB): each callback backs up after every
+  step (save_freq=1); the extra time per step is the cost of one save.
+- Large state (MLP 1024-6144-6144-10 with Adam, ~530 MB of weights and slots): `fit`
+  for 60 steps with a backup every 20; the extra time per backup is how long a save
+  blocks training (the asynchronous one's copy-on-write of the variables the next steps
+  update included), and the overhead is against `fit` without backups.
 """
 
 from __future__ import annotations
@@ -17,53 +20,101 @@ import time
 STEPS = 40
 BATCH = 64
 EPOCH_EXAMPLES = 60_000
+LARGE_STEPS, LARGE_SAVE_FREQ, LARGE_BATCH = 60, 20, 32
 
 
-def _fit_seconds(model, dataset, callbacks, repeats):
+def _fit_seconds(model, dataset, callbacks, repeats, steps=None):
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        model.fit(dataset, epochs=1, verbose=0, callbacks=callbacks())
+        model.fit(dataset, epochs=1, verbose=0, callbacks=callbacks(), steps_per_epoch=steps)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def run(options) -> dict:
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import keras
+def _data(steps, batch, features):
     import numpy as np
     import tensorflow as tf
+
+    x = np.random.default_rng(0).random((steps * batch, features), dtype=np.float32)
+    y = np.random.default_rng(1).integers(0, 10, len(x)).astype("int32")
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).cache()
+
+
+def _small(tmp, repeats):
+    import keras
 
     import tf_distrib as td
     from tf_distrib.bench.models import mlp
 
-    repeats = 1 if options.quick else 5
-    x = np.random.default_rng(0).random((STEPS * BATCH, 784), dtype=np.float32)
-    y = np.random.default_rng(1).integers(0, 10, len(x)).astype("int32")
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).cache()
+    dataset = _data(STEPS, BATCH, 784)
     model = mlp(optimizer=keras.optimizers.Adam(1e-3))
     model.fit(dataset, epochs=1, verbose=0)  # trace and build
-    with tempfile.TemporaryDirectory() as tmp:
-        candidates = {
-            "keras.callbacks.BackupAndRestore": lambda: [keras.callbacks.BackupAndRestore(
-                os.path.join(tmp, "keras"), save_freq=1, delete_checkpoint=True)],
-            "tf_distrib BackupAndRestore": lambda: [td.callbacks.BackupAndRestore(
-                os.path.join(tmp, "ours"), save_freq=1, delete_checkpoint=True)],
-        }
-        plain = _fit_seconds(model, dataset, list, repeats)
-        epoch = plain / STEPS * EPOCH_EXAMPLES / BATCH
-        results = {"epoch_seconds": epoch, "epoch_examples": EPOCH_EXAMPLES}
-        for name, callbacks in candidates.items():
-            per_save = (_fit_seconds(model, dataset, callbacks, repeats) - plain) / STEPS
-            results[name] = {"ms_per_save": per_save * 1e3,
-                             "epoch_overhead_percent": 100 * per_save / epoch}
-    keras_ms = results["keras.callbacks.BackupAndRestore"]["ms_per_save"]
-    print(f"step: {plain / STEPS * 1e3:.2f} ms (batch {BATCH}, median of {repeats}); epoch of "
-          f"{EPOCH_EXAMPLES} examples: {epoch:.2f} s")
-    print(f"{'callback':<36}{'ms/save':>10}{'vs keras':>10}{'% of epoch (save_freq=epoch)':>31}")
-    for name in candidates:
-        r = results[name]
-        r["ratio_to_keras"] = r["ms_per_save"] / keras_ms
-        print(f"{name:<36}{r['ms_per_save']:>10.1f}{r['ratio_to_keras']:>9.2f}x"
-              f"{r['epoch_overhead_percent']:>30.2f}%")
+    candidates = {
+        "keras.callbacks.BackupAndRestore": lambda: [keras.callbacks.BackupAndRestore(
+            os.path.join(tmp, "keras"), save_freq=1, delete_checkpoint=True)],
+        "tf_distrib BackupAndRestore, sync": lambda: [td.callbacks.BackupAndRestore(
+            os.path.join(tmp, "sync"), save_freq=1, async_save=False)],
+        "tf_distrib BackupAndRestore, async": lambda: [td.callbacks.BackupAndRestore(
+            os.path.join(tmp, "async"), save_freq=1)],
+    }
+    plain = _fit_seconds(model, dataset, list, repeats)
+    epoch = plain / STEPS * EPOCH_EXAMPLES / BATCH
+    results = {"step_ms": plain / STEPS * 1e3, "epoch_seconds": epoch}
+    for name, callbacks in candidates.items():
+        per_save = (_fit_seconds(model, dataset, callbacks, repeats) - plain) / STEPS
+        results[name] = {"ms_per_save": per_save * 1e3,
+                         "epoch_overhead_percent": 100 * per_save / epoch}
     return results
+
+
+def _large(tmp, repeats):
+    import keras
+    import numpy as np
+
+    import tf_distrib as td
+    from tf_distrib.bench.models import mlp
+
+    dataset = _data(LARGE_STEPS, LARGE_BATCH, 1024)
+    model = mlp((6144, 6144), optimizer=keras.optimizers.Adam(1e-4), inputs=1024)
+    model.fit(dataset.take(2), epochs=1, verbose=0)  # trace and build
+    state_mb = sum(np.prod(v.shape) * 4 for v in model.variables + model.optimizer.variables)
+    saves = LARGE_STEPS // LARGE_SAVE_FREQ
+    plain = _fit_seconds(model, dataset, list, repeats)
+    results = {"state_mb": state_mb / 1e6, "fit_seconds_without_backups": plain}
+    for name, async_save in (("sync", False), ("async", True)):
+        seconds = _fit_seconds(model, dataset, lambda a=async_save, n=name: [
+            td.callbacks.BackupAndRestore(os.path.join(tmp, f"large-{n}"),
+                                          save_freq=LARGE_SAVE_FREQ, async_save=a)], repeats)
+        results[name] = {"blocking_seconds_per_save": (seconds - plain) / saves,
+                         "fit_overhead_percent": 100 * (seconds - plain) / plain}
+    return results
+
+
+def run(options) -> dict:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    repeats = 1 if options.quick else 3
+    with tempfile.TemporaryDirectory() as tmp:
+        small = _small(tmp, repeats)
+        large = _large(tmp, 1 if options.quick else 2)
+    keras_ms = small["keras.callbacks.BackupAndRestore"]["ms_per_save"]
+    print(f"8 MB of state (MLP 784-512-512-10, Adam), a backup every step: step "
+          f"{small['step_ms']:.2f} ms; epoch of {EPOCH_EXAMPLES} examples "
+          f"{small['epoch_seconds']:.2f} s")
+    print(f"  {'callback':<40}{'ms/save':>10}{'vs keras':>10}{'% of epoch':>12}")
+    for name, r in small.items():
+        if isinstance(r, dict):
+            r["ratio_to_keras"] = r["ms_per_save"] / keras_ms
+            print(f"  {name:<40}{r['ms_per_save']:>10.1f}{r['ratio_to_keras']:>9.2f}x"
+                  f"{r['epoch_overhead_percent']:>11.2f}%")
+    sync = large["sync"]["blocking_seconds_per_save"]
+    print(f"{large['state_mb']:.0f} MB of state (MLP 1024-6144-6144-10, Adam), {LARGE_STEPS} "
+          f"steps, a backup every {LARGE_SAVE_FREQ}: fit {large['fit_seconds_without_backups']:.1f}"
+          " s without backups")
+    print(f"  {'BackupAndRestore':<40}{'s blocked/save':>16}{'vs sync':>9}{'fit overhead':>14}")
+    for name in ("sync", "async"):
+        r = large[name]
+        r["ratio_to_sync"] = r["blocking_seconds_per_save"] / sync
+        print(f"  {name:<40}{r['blocking_seconds_per_save']:>16.3f}{r['ratio_to_sync']:>8.2f}x"
+              f"{r['fit_overhead_percent']:>13.1f}%")
+    return {"small": small, "large": large}

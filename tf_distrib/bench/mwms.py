@@ -37,13 +37,12 @@ def _timed(fn, repeats: int) -> tuple[float, float]:
     """(median wall seconds, mean CPU seconds) of `fn()` (its first output fetched)."""
     fn()[0].numpy()  # trace and warm up
     times = []
-    cpu = os.times()
+    cpu = time.process_time()  # every thread of the process
     for _ in range(repeats):
         start = time.perf_counter()
         fn()[0].numpy()
         times.append(time.perf_counter() - start)
-    after = os.times()
-    return statistics.median(times), (after.user - cpu.user + after.system - cpu.system) / repeats
+    return statistics.median(times), (time.process_time() - cpu) / repeats
 
 
 def _worker(repeats: int) -> dict:

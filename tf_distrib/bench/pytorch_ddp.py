@@ -2,7 +2,9 @@
 
 Runs only where torch happens to be installed (tf_distrib never depends on it): gloo on
 127.0.0.1, one intra-op thread and one core per process, MLP 784-1024-1024-10, SGD, a
-batch of 128 per process. One process trains the plain model; two wrap it in DDP.
+batch of 128 per process. One process trains the plain model; two wrap it in DDP. With
+`accumulation=K`, gradients are accumulated over K steps and DDP all-reduces once per K
+(`no_sync()` on the others), as PyTorch's documentation recommends.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ def available() -> bool:
     return importlib.util.find_spec("torch") is not None
 
 
-def _worker(port: int, steps: int, batch: int) -> float:
+def _worker(port: int, steps: int, batch: int, accumulation: int) -> float:
+    import contextlib
+
     import torch
     import torch.distributed as dist
 
@@ -38,9 +42,13 @@ def _worker(port: int, steps: int, batch: int) -> float:
 
     def epoch():
         for i in range(steps):
-            optimizer.zero_grad()
-            torch.nn.functional.cross_entropy(model(x[i]), y[i]).backward()
-            optimizer.step()
+            update = (i + 1) % accumulation == 0
+            quiet = model.no_sync() if world > 1 and not update else contextlib.nullcontext()
+            with quiet:
+                (torch.nn.functional.cross_entropy(model(x[i]), y[i]) / accumulation).backward()
+            if update:
+                optimizer.step()
+                optimizer.zero_grad()
 
     epoch()  # warm-up
     start = time.perf_counter()
@@ -51,15 +59,16 @@ def _worker(port: int, steps: int, batch: int) -> float:
     return rate
 
 
-def examples_per_sec(workers: int, steps: int = 60, batch: int = 128) -> float:
+def examples_per_sec(workers: int, steps: int = 60, batch: int = 128,
+                     accumulation: int = 1) -> float:
     """Global examples/s of `workers` pinned PyTorch processes (the best of two runs)."""
     from tf_distrib.cluster import free_ports
     from tf_distrib.launch import launch
 
     rates = []
     for _ in range(2):
-        result = launch(_worker, workers, args=(free_ports(1)[0], steps, batch), quiet=True,
-                        startup_timeout=None, timeout=600)
+        result = launch(_worker, workers, args=(free_ports(1)[0], steps, batch, accumulation),
+                        quiet=True, startup_timeout=None, timeout=600)
         if result.exit_code:
             raise RuntimeError(result.failure_report())
         rates.append(result.values[0])

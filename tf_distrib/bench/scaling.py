@@ -84,11 +84,13 @@ def run(options) -> dict:
         print(f"  {name:<40}{rate:>12.0f}{rate / baselines[accumulation]:>9.2f}x", flush=True)
     scaling = {name: results[name] / baselines[SETTINGS[name][2]] for name in SETTINGS}
     if pytorch_ddp.available():
-        one, two = pytorch_ddp.examples_per_sec(1), pytorch_ddp.examples_per_sec(2)
-        results.update({"PyTorch, 1 process": one, "PyTorch DDP (gloo), 2 processes": two})
-        scaling.update({"PyTorch, 1 process": 1.0, "PyTorch DDP (gloo), 2 processes": two / one})
-        print(f"  {'PyTorch, 1 process':<40}{one:>12.0f}{1.0:>9.2f}x")
-        print(f"  {'PyTorch DDP (gloo), 2 processes':<40}{two:>12.0f}{two / one:>9.2f}x")
+        for suffix, k in (("", 1), (f", K={ACCUMULATION} (no_sync)", ACCUMULATION)):
+            one = pytorch_ddp.examples_per_sec(1, accumulation=k)
+            two = pytorch_ddp.examples_per_sec(2, accumulation=k)
+            for name, rate in ((f"PyTorch, 1 process{suffix}", one),
+                               (f"PyTorch DDP (gloo), 2 processes{suffix}", two)):
+                results[name], scaling[name] = rate, rate / one
+                print(f"  {name:<40}{rate:>12.0f}{rate / one:>9.2f}x", flush=True)
     else:
         print("  (PyTorch DDP row: torch is not installed)")
     return {"examples_per_sec": results, "scaling": scaling}

@@ -80,8 +80,10 @@ class BackupAndRestore(keras.callbacks.Callback):
     ```
     """
 
-    def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint=True, *, keep=2,
-                 save_before_preemption=True, verbose=1, async_save=True):
+    def __init__(self, backup_dir: str, save_freq: str | int = "epoch",
+                 delete_checkpoint: bool = True, *, keep: int = 2,
+                 save_before_preemption: bool = True, verbose: int = 1,
+                 async_save: bool = True):
         super().__init__()
         if not backup_dir:
             raise ValueError("BackupAndRestore needs a backup_dir, e.g. '/tmp/backup'.")

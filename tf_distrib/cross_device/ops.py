@@ -122,7 +122,8 @@ class CompressedAllReduce(_LocalReduce):
             GPUs, `ReductionToOneDevice` on CPUs.
     """
 
-    def __init__(self, dtype: str | Compressor = "bfloat16", inner=None):
+    def __init__(self, dtype: str | Compressor = "bfloat16",
+                 inner: tf.distribute.CrossDeviceOps | None = None):
         super().__init__(inner)
         self.compressor = get_compressor(dtype)
 
@@ -166,7 +167,8 @@ class BucketedAllReduce(_LocalReduce):
             `ReductionToOneDevice` on CPUs.
     """
 
-    def __init__(self, bucket_bytes: int = bucketing.DEFAULT_BUCKET_BYTES, inner=None):
+    def __init__(self, bucket_bytes: int = bucketing.DEFAULT_BUCKET_BYTES,
+                 inner: tf.distribute.CrossDeviceOps | None = None):
         super().__init__(inner)
         self.bucket_bytes = check_int("bucket_bytes", bucket_bytes)
 

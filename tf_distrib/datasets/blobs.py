@@ -9,6 +9,11 @@ notebooks and the tests train on it.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import tensorflow_datasets as tfds
+
 NAME = "tf_distrib_blobs"
 SPLITS = {"train": (4096, 0), "test": (1024, 1)}  # examples, seed
 NUM_EXAMPLES = SPLITS["train"][0]
@@ -79,7 +84,7 @@ def _builder_class():
 _CLASS = None
 
 
-def prepare(data_dir: str):
+def prepare(data_dir: str) -> tfds.core.DatasetBuilder:  # noqa: F821
     """Builds `tf_distrib_blobs` into `data_dir` (once; later calls only open it).
 
     Args:

@@ -104,7 +104,10 @@ class SharedSegment:
         return np.frombuffer(self._map, dtype, count, offset)
 
     def close(self) -> None:
-        self._map.close()
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # results TensorFlow still holds view it; the OS unmaps it at exit
 
 
 class SharedMemoryReducer:

@@ -1,0 +1,46 @@
+"""What pip installs: ranges, not pins, and no second TensorFlow next to the user's."""
+
+import importlib.metadata
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).parent.parent
+
+
+def test_requirements_are_ranges_on_tensorflow_not_tensorflow_cpu():
+    requires = importlib.metadata.requires("tf_distrib")
+    core = [r for r in requires if "extra ==" not in r]
+    assert any(r.startswith("tensorflow<") or r.startswith("tensorflow>") for r in core), core
+    assert not [r for r in requires if r.startswith("tensorflow-cpu")]
+    assert not [r for r in core if "==" in r], core  # a library pins nothing
+
+
+def test_one_tensorflow_is_installed():
+    importlib.metadata.distribution("tensorflow")
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.distribution("tensorflow-cpu")
+
+
+@pytest.mark.multiprocess
+def test_installing_next_to_tensorflow_adds_nothing_but_tf_distrib(tmp_path):
+    # Offline (--no-index): the resolver may only use what is installed. If tf_distrib
+    # asked for anything this environment's TensorFlow does not satisfy (tensorflow-cpu,
+    # a pinned version), there would be nothing to install it from, and pip would fail.
+    report = tmp_path / "report.json"
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-index",
+                           "--no-build-isolation", "--quiet", "--report", str(report),
+                           str(ROOT)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    installed = [item["metadata"]["name"] for item in json.loads(report.read_text())["install"]]
+    assert installed == ["tf_distrib"]
+
+
+def test_constraints_pin_what_ci_runs():
+    pins = dict(line.split("==") for line in (ROOT / "constraints.txt").read_text().splitlines()
+                if "==" in line and not line.startswith("#"))
+    assert "tensorflow" in pins and "tensorflow-cpu" not in pins
+    assert pins["keras"].startswith("3.")

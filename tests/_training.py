@@ -9,8 +9,8 @@ def train_with_backup(backup_dir, epochs=3, save_freq=10, kill_at=None, kill_wor
     """Trains with BackupAndRestore; on the launcher's first attempt, worker
     `kill_worker` kills itself after `kill_at` steps. Returns weights and counters.
 
-    `slow_saves` maps global steps to seconds their backup takes longer to write
-    (writing happens in the background: training goes on meanwhile).
+    `slow_saves` maps global steps to seconds their backup pauses after writing its first
+    array, on the first attempt (writing happens in the background: training goes on).
     """
     import os
     import signal
@@ -41,12 +41,18 @@ def train_with_backup(backup_dir, epochs=3, save_freq=10, kill_at=None, kill_wor
                                          global_batch_size)
     backup = td.callbacks.BackupAndRestore(backup_dir, save_freq=save_freq,
                                            delete_checkpoint=False)
-    if slow_saves:
+    if slow_saves and os.environ.get("TF_DISTRIB_ATTEMPT", "0") == "0":
         import time
 
+        def slowly(arrays, seconds):
+            for i, array in enumerate(arrays):
+                yield array
+                if i == 0:
+                    time.sleep(seconds)
+
         write = backup._store.write
-        backup._store.write = lambda step, *a: (time.sleep(slow_saves.get(step, 0)),
-                                                write(step, *a))[1]
+        backup._store.write = lambda step, arrays, *a: write(
+            step, slowly(arrays, slow_saves.get(step, 0)), *a)
     callbacks = [backup]
     first_attempt = os.environ.get("TF_DISTRIB_ATTEMPT", "0") == "0"
     if kill_at and first_attempt and os.environ["TF_DISTRIB_WORKER_INDEX"] == str(kill_worker):

@@ -17,8 +17,8 @@ class BackgroundSave:
     `start` waits for the previous job first (at most one in flight); `wait` returns
     once the current one is done and raises what it raised. An exiting interpreter
     waits for a running job (up to `EXIT_WAIT_SECONDS`), so a backup that was started
-    is finished unless the process is killed, and a killed write leaves only a
-    temporary directory that restores ignore.
+    is finished unless the process is killed, and a killed write leaves a backup
+    without a manifest, which restores skip (with a warning).
     """
 
     def __init__(self):

@@ -33,10 +33,11 @@ class BackupAndRestore(keras.callbacks.Callback):
       the previous one is still being written waits for it (and says how long, when
       `verbose`). The end of `fit`, a preemption and the exit of the process wait for
       the backup in flight; a backup is listed only once it is complete.
-    - **Atomic and verified**: a backup is written under a temporary name, renamed
-      into place and carries a manifest with a sha256 checksum. On restore the
-      newest backup that verifies is used; broken ones are skipped with a warning,
-      and when none is usable training starts afresh with a warning.
+    - **Atomic and verified**: a backup's manifest, with the sha256 of its state, is
+      written last and renamed into place: the backup exists from that moment, on
+      local disks and object stores (gs://) alike. On restore the newest backup that
+      verifies is used; incomplete or broken ones are skipped with a warning, and when
+      none is usable training starts afresh with a warning.
     - **Exact mid-epoch resume**: the resumed run skips exactly the steps already
       done in the interrupted epoch (their batches are drawn, not trained on) and
       restores the metrics, so with `keras.utils.set_random_seed` and

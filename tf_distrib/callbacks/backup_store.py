@@ -2,9 +2,11 @@
 
 A backup is a directory `backup-<global step>/` holding `state.bin` (the arrays'
 raw bytes, back to back) and `manifest.json` (metadata, each array's name, dtype,
-shape and offset, and the state file's size and sha256). It is written under a
-temporary name and renamed into place; the manifest is written last, so a backup
-without a manifest, or whose checksum does not match, is incomplete and ignored.
+shape and offset, and the state file's size and sha256). The manifest is written last,
+under a temporary name and renamed into place (a file rename, which every tf.io.gfile
+file system has: object stores like gs:// cannot rename directories). So a backup is
+committed the moment its manifest appears; one without a manifest (a writer killed in
+the middle), or whose checksum does not match, is skipped with a warning.
 """
 
 from __future__ import annotations
@@ -44,40 +46,39 @@ class BackupStore:
         computed, so writing takes no second copy of the state in memory.
         """
         final = self._path(step)
-        if tf.io.gfile.exists(final):
+        manifest_path = posixpath.join(final, _MANIFEST)
+        if tf.io.gfile.exists(manifest_path):
             return final  # same step saved twice: the state is identical
-        tmp = posixpath.join(self.directory, f"{_TMP_PREFIX}{uuid.uuid4().hex}")
-        tf.io.gfile.makedirs(tmp)
-        try:
-            digest, entries, offset = hashlib.sha256(), [], 0
-            with _open_for_writing(posixpath.join(tmp, _STATE)) as f:
-                for name, value in arrays:
-                    value = np.asarray(value, order="C")
-                    entries.append({"name": name, "dtype": value.dtype.name,
-                                    "shape": list(value.shape), "offset": offset,
-                                    "bytes": value.nbytes})
-                    for chunk in _chunks(value):
-                        digest.update(chunk)
-                        f.write(chunk)
-                    offset += value.nbytes
-            manifest = {"format": FORMAT_VERSION, "step": step, "metadata": metadata,
-                        "arrays": entries,
-                        "files": {_STATE: {"bytes": offset, "sha256": digest.hexdigest()}}}
-            with tf.io.gfile.GFile(posixpath.join(tmp, _MANIFEST), "w") as f:
-                f.write(json.dumps(manifest))
-            tf.io.gfile.rename(tmp, final)
-            self._prune()
-            return final
-        finally:
-            if tf.io.gfile.exists(tmp):
-                tf.io.gfile.rmtree(tmp)
+        tf.io.gfile.makedirs(final)
+        digest, entries, offset = hashlib.sha256(), [], 0
+        with _open_for_writing(posixpath.join(final, _STATE)) as f:
+            for name, value in arrays:
+                value = np.asarray(value, order="C")
+                entries.append({"name": name, "dtype": value.dtype.name,
+                                "shape": list(value.shape), "offset": offset,
+                                "bytes": value.nbytes})
+                for chunk in _chunks(value):
+                    digest.update(chunk)
+                    f.write(chunk)
+                offset += value.nbytes
+        manifest = {"format": FORMAT_VERSION, "step": step, "metadata": metadata,
+                    "arrays": entries,
+                    "files": {_STATE: {"bytes": offset, "sha256": digest.hexdigest()}}}
+        tmp = f"{manifest_path}{_TMP_PREFIX}{uuid.uuid4().hex}"
+        with tf.io.gfile.GFile(tmp, "w") as f:
+            f.write(json.dumps(manifest))
+        tf.io.gfile.rename(tmp, manifest_path, overwrite=True)
+        self._prune()
+        return final
 
     def steps(self) -> list[int]:
         """Global steps of the committed backups, newest first."""
-        if not tf.io.gfile.isdir(self.directory):
+        try:  # not isdir(): object stores and ram:// have no directories of their own
+            names = tf.io.gfile.listdir(self.directory)
+        except tf.errors.NotFoundError:
             return []
         steps = []
-        for name in tf.io.gfile.listdir(self.directory):
+        for name in names:
             name = name.rstrip("/")
             if name.startswith(_PREFIX) and name[len(_PREFIX):].isdigit():
                 steps.append(int(name[len(_PREFIX):]))
@@ -105,7 +106,7 @@ class BackupStore:
         return None
 
     def delete_all(self) -> None:
-        """Deletes every committed backup (temporary directories of live writers stay)."""
+        """Deletes every backup, complete or not."""
         for step in self.steps():
             tf.io.gfile.rmtree(self._path(step))
 

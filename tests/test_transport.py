@@ -84,6 +84,30 @@ def test_16_bit_sums_stay_within_one_rounding_per_hop(tmp_path, mode, dtype_name
     assert len({b"".join(s.tobytes() for s in w.value["sums"]) for w in workers}) == 1
 
 
+def strategy_reductions():
+    import tensorflow as tf
+
+    import tf_distrib as td
+
+    strategy = td.make_strategy()
+    rank = int(os.environ["TF_DISTRIB_WORKER_INDEX"])
+    value = strategy.experimental_distribute_values_from_function(
+        lambda _: tf.constant(rank + 1.0) / 3.0)  # not exact in binary: a real reduction
+    return {"mode": strategy.transport.mode,
+            "sum": float(strategy.reduce("SUM", value, axis=None)),
+            "mean": float(strategy.reduce("MEAN", value, axis=None))}
+
+
+def test_strategy_sum_and_mean_of_scalars_go_through_the_transport():
+    workers = run_workers(strategy_reductions, 3, quiet=True)
+    values = [np.float32(np.float32(r + 1.0) / np.float32(3.0)) for r in range(3)]
+    for w in workers:
+        assert w.value["mode"] == "shm"
+        assert w.value["sum"] == pytest.approx(sum(float(v) for v in values), rel=1e-6)
+        assert w.value["mean"] == pytest.approx(sum(float(v) for v in values) / 3, rel=1e-6)
+    assert len({(w.value["sum"], w.value["mean"]) for w in workers}) == 1
+
+
 def late_peer(directory):
     rank = int(os.environ["TF_DISTRIB_WORKER_INDEX"])
     t = transport.connect(rank, ["worker:0", "worker:1"], "127.0.0.1",

@@ -16,6 +16,7 @@ launcher imports it, and so does every worker.
 | `TF_DISTRIB_SECRET` | the job's secret for the gradient transport's connections |
 | `TF_DISTRIB_TRANSPORT` | the gradient transport when `make_strategy` is not told one |
 | `TF_DISTRIB_REPORT_DIR` | where a worker writes its flight-recorder report when it hangs |
+| `TF_DISTRIB_MMAP_THRESHOLD` | glibc mmap threshold the strategies keep (bytes; 0: TF's) |
 
 Example:
 
@@ -42,6 +43,7 @@ ENV_HANG_TIMEOUT = "TF_DISTRIB_HANG_TIMEOUT"
 ENV_SECRET = "TF_DISTRIB_SECRET"
 ENV_TRANSPORT = "TF_DISTRIB_TRANSPORT"
 ENV_REPORT_DIR = "TF_DISTRIB_REPORT_DIR"
+ENV_MMAP_THRESHOLD = "TF_DISTRIB_MMAP_THRESHOLD"
 
 #: A worker saved a backup on SIGTERM (preemption) and exited; its peers save at the
 #: same step and exit on their own. Restart the group: it resumes from that step.

@@ -26,7 +26,7 @@ import warnings
 
 import tensorflow as tf
 
-from tf_distrib import _compat, contract, cross_device, optimizer_hooks
+from tf_distrib import _compat, _malloc, contract, cross_device, optimizer_hooks
 from tf_distrib import cluster as cluster_lib
 from tf_distrib import transport as transport_lib
 from tf_distrib import watchdog as watchdog_lib
@@ -81,7 +81,20 @@ def use_logical_cpus(n: int) -> None:
         ) from e
 
 
-class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
+class _KeepsStepBuffers:
+    """A strategy whose input iterators keep glibc's large buffers mapped (`_malloc`)."""
+
+    def experimental_distribute_dataset(self, dataset, options=None):
+        return _malloc.restoring_threshold(
+            super().experimental_distribute_dataset(dataset, options))
+
+    def distribute_datasets_from_function(self, dataset_fn, options=None):
+        return _malloc.restoring_threshold(
+            super().distribute_datasets_from_function(dataset_fn, options))
+
+
+class KerasMultiWorkerMirroredStrategy(_KeepsStepBuffers,
+                                       tf.distribute.MultiWorkerMirroredStrategy):
     """MultiWorkerMirroredStrategy that Keras 3's `fit`, `evaluate` and `predict` can use.
 
     Keras 3 meets three upstream bugs under MWMS. It calls `strategy.reduce` in two ways
@@ -104,6 +117,10 @@ class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy
        _prefer_unique_instance_key = False`). That setting is process-wide, from the
        first KerasMultiWorkerMirroredStrategy on: it fixes TF's MirroredStrategy on
        CPUs too, which hits the same error.
+
+    Like `HostMirroredStrategy`, it keeps glibc's mmap threshold where it was before
+    TensorFlow's input iterators lowered it to 128 KiB (`tf_distrib._malloc`: 9% of a
+    CPU worker's time went to page faults).
 
     Drop each fix once its issue is fixed upstream.
 
@@ -158,14 +175,15 @@ class KerasMultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy
         return super().reduce(reduce_op, value, axis)
 
 
-class HostMirroredStrategy(tf.distribute.MirroredStrategy):
+class HostMirroredStrategy(_KeepsStepBuffers, tf.distribute.MirroredStrategy):
     """MirroredStrategy over CPU devices that share host memory.
 
     TF's distributed iterators prefetch each replica's batch onto its device through
     a MultiDeviceIterator. Logical CPUs share one memory, so that copy buys nothing
     and costs 10-20% of the step rate (measured: `make bench`); this subclass turns
     it off (`InputOptions(experimental_fetch_to_device=False)`) unless the caller
-    passes its own options.
+    passes its own options. Its input iterators also keep glibc's mmap threshold
+    (`tf_distrib._malloc`).
     """
 
     _HOST_INPUT = tf.distribute.InputOptions(experimental_fetch_to_device=False)

@@ -108,6 +108,8 @@ class Transport:
             PeerLostError: a peer died, closed, aborted or fell silent; the message names it.
             ProtocolError: a peer sent something else than this worker expects.
         """
+        if not arrays:
+            return []
         with self._lock:
             if self.failure is not None:
                 raise self.failure

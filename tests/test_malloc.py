@@ -1,0 +1,79 @@
+"""glibc's mmap threshold after TensorFlow's input iterators lower it (tf_distrib._malloc)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import tensorflow as tf
+
+import tf_distrib as td
+from tf_distrib import _malloc
+
+# TensorFlow lowers the threshold once per process (when it first builds an input
+# iterator's GeneratorDataset kernel), so each measurement runs in a fresh process.
+_MEASURE = """
+import json, resource
+import numpy as np, tensorflow as tf
+import tf_distrib as td
+
+def faults_per_buffer(count=40):
+    # A 1 MiB buffer, allocated and filled as a training step's buffers are: 256 pages.
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(count):
+        np.ones((1 << 20) // 8)
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / count
+
+def iterate(strategy):
+    next(iter(strategy.experimental_distribute_dataset(tf.data.Dataset.range(8).batch(4))))
+
+td.use_logical_cpus(2)
+faults = {"before": faults_per_buffer()}
+iterate(tf.distribute.MirroredStrategy(tf.config.list_logical_devices("CPU")))
+faults["tensorflow"] = faults_per_buffer()
+iterate(td.make_strategy())
+faults["tf_distrib"] = faults_per_buffer()
+print(json.dumps(faults))
+"""
+
+
+def _page_faults_per_buffer(**env) -> dict:
+    environ = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    done = subprocess.run([sys.executable, "-c", _MEASURE], env={**environ, **env},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_make_strategy_iterators_keep_large_buffers_mapped():
+    faults = _page_faults_per_buffer()
+    assert faults["before"] < 20
+    # If this fails, TensorFlow no longer lowers the threshold: drop tf_distrib._malloc.
+    assert faults["tensorflow"] > 200
+    assert faults["tf_distrib"] < 20
+
+
+def test_zero_keeps_tensorflows_threshold():
+    faults = _page_faults_per_buffer(TF_DISTRIB_MMAP_THRESHOLD="0")
+    assert faults["tensorflow"] > 200
+    assert faults["tf_distrib"] > 200
+
+
+def test_distributed_datasets_keep_their_type(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    strategy = td.make_strategy()
+    dataset = strategy.experimental_distribute_dataset(tf.data.Dataset.range(8).batch(4))
+    assert isinstance(dataset, tf.distribute.DistributedDataset)
+    from_function = strategy.distribute_datasets_from_function(
+        lambda context: tf.data.Dataset.range(8).batch(2))
+    assert isinstance(from_function, tf.distribute.DistributedDataset)
+    values = strategy.experimental_local_results(next(iter(dataset)))
+    assert [int(tf.reduce_sum(v)) for v in values] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("value", ["33554433", "-1", "lots"])
+def test_bad_threshold_names_the_variable(monkeypatch, value):
+    monkeypatch.setenv("TF_DISTRIB_MMAP_THRESHOLD", value)
+    with pytest.raises(ValueError, match="TF_DISTRIB_MMAP_THRESHOLD"):
+        _malloc.threshold()

@@ -141,7 +141,7 @@ def test_a_worker_that_cannot_listen_makes_every_worker_fall_back(tmp_path):
                for m in messages)
 
 
-def lose_a_peer(directory, how, peer_timeout):
+def lose_a_peer(directory, how, peer_timeout, mode="tcp", elements=3_000_000):
     """Worker 1 dies (SIGKILL) or freezes (SIGSTOP) between two collectives."""
     import contextlib
     import signal
@@ -150,9 +150,9 @@ def lose_a_peer(directory, how, peer_timeout):
     world = int(os.environ["TF_DISTRIB_NUM_WORKERS"])
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # let the survivors report
     t = transport.connect(rank, [f"worker:{r}" for r in range(world)], "127.0.0.1",
-                          transport.FileStore(directory), secret=b"s", mode="tcp",
+                          transport.FileStore(directory), secret=b"s", mode=mode,
                           peer_timeout=peer_timeout, timeout=30)
-    data = [np.ones(3_000_000, np.float32)]
+    data = [np.ones(elements, np.float32)]
     t.all_reduce(data)
     if rank == 1:
         with open(os.path.join(directory, "pid"), "w") as f:
@@ -169,12 +169,15 @@ def lose_a_peer(directory, how, peer_timeout):
     return lost
 
 
+# Large buckets wait for frames; small ones on shared memory poll a counter.
+@pytest.mark.parametrize("mode, elements", [("tcp", 3_000_000), ("shm", 16)])
 @pytest.mark.parametrize("how, limit", [("SIGKILL", 2.0), ("SIGSTOP", 3.0 + 2.5)])
-def test_a_lost_peer_fails_every_survivor_in_bounded_time_naming_it(tmp_path, how, limit):
+def test_a_lost_peer_fails_every_survivor_in_bounded_time_naming_it(tmp_path, how, limit, mode,
+                                                                   elements):
     from tf_distrib.launch import launch
 
-    result = launch(lose_a_peer, 3, args=(str(tmp_path), how, 3.0), startup_timeout=None,
-                    quiet=True, timeout=60, grace_period=30)
+    result = launch(lose_a_peer, 3, args=(str(tmp_path), how, 3.0, mode, elements),
+                    startup_timeout=None, quiet=True, timeout=60, grace_period=30)
     assert result.exit_codes == [[0, -9, 0]]
     for survivor in (result.workers[0], result.workers[2]):
         lost = survivor.value
@@ -183,6 +186,30 @@ def test_a_lost_peer_fails_every_survivor_in_bounded_time_naming_it(tmp_path, ho
         assert "worker:1 (127.0.0.1:" in lost["error"], lost
         if how == "SIGSTOP":
             assert "sent nothing for" in lost["error"]
+
+
+def sum_different_sizes(directory, sizes):
+    """Each worker sums an array of its own size: the workers disagree."""
+    rank = int(os.environ["TF_DISTRIB_WORKER_INDEX"])
+    t = transport.connect(rank, ["worker:0", "worker:1"], "127.0.0.1",
+                          transport.FileStore(directory), secret=b"s", mode="shm", timeout=30)
+    t.all_reduce([np.ones(3, np.float32)])  # agreed: the counters move past a first chunk
+    try:
+        t.all_reduce([np.ones(sizes[rank], np.float32)])
+    except transport.TransportError as e:
+        return str(e)
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("sizes", [(4, 40), (4, 100_000)])  # both poll; one polls, one waits
+def test_workers_that_sum_different_buckets_fail_instead_of_summing(tmp_path, sizes):
+    messages = [w.value for w in run_workers(sum_different_sizes, 2,
+                                             args=(str(tmp_path), sizes),
+                                             startup_timeout=None, quiet=True, timeout=60)]
+    assert all(m is not None for m in messages), messages
+    assert any("the workers run different models, bucket sizes or code" in m
+               for m in messages), messages
 
 
 def test_wrong_secret_is_refused_and_logged(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tf_distrib import _compat, watchdog
@@ -226,7 +227,8 @@ class BackupAndRestore(keras.callbacks.Callback):
                         "steps_per_epoch": self.params.get("steps")}
 
             def write():
-                self._store.write(step, [(n, t.numpy()) for n, t in snapshot], metadata)
+                # np.asarray views a CPU tensor's buffer (read-only; .numpy() copies it).
+                self._store.write(step, [(n, np.asarray(t)) for n, t in snapshot], metadata)
 
             if not self.async_save:
                 write()

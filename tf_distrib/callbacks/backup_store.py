@@ -123,7 +123,10 @@ class _Corrupt(Exception):
 
 
 # Local files take numpy's memory as it is; tf.io.gfile wants bytes, one copy per chunk.
-_CHUNK_BYTES = 64 << 20
+# Small enough that a chunk the checksum has just read is still in cache for the write
+# (measured: a synchronous save of 529 MB went from 1.45-1.50 s to 0.44-1.19 s with 1 MiB
+# instead of 64 MiB chunks).
+_CHUNK_BYTES = 1 << 20
 
 
 def _open_for_writing(path: str):
@@ -147,7 +150,7 @@ class _GFileWriter:
 
 
 def _chunks(value: np.ndarray):
-    """`value`'s bytes in pieces of at most 64 MiB (memoryviews: no copy)."""
+    """`value`'s bytes in pieces of at most `_CHUNK_BYTES` (memoryviews: no copy)."""
     raw = memoryview(value.reshape(-1).view(np.uint8)) if value.size else memoryview(b"")
     for start in range(0, max(len(raw), 1), _CHUNK_BYTES):
         yield raw[start:start + _CHUNK_BYTES]

@@ -47,6 +47,8 @@ DEFAULT_PEER_TIMEOUT = 30.0
 DEFAULT_CONNECT_TIMEOUT = 120.0
 # Collectives the flight recorder remembers.
 RECORDED = 64
+# How long a failing transport waits for its ABORT frames to leave.
+ABORT_FLUSH_SECONDS = 1.0
 
 
 @dataclasses.dataclass
@@ -152,8 +154,13 @@ class Transport:
             watchdog.write_failure_report(self.mesh.peers[self.rank].task, str(error), self,
                                           lost_peer=error.peer.task)
         me = self.mesh.peers[self.rank]
-        for connection in self.mesh.connections.values():
-            connection.abort(f"{me} stopped its transport: {error}")
+        aborts = [c.abort(f"{me} stopped its transport: {error}")
+                  for c in self.mesh.connections.values()]
+        # A worker that exits right after this would close its links before the frames
+        # leave, and its peers would blame it instead of the culprit it names.
+        deadline = time.monotonic() + ABORT_FLUSH_SECONDS
+        for request in aborts:
+            request.done.wait(max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
         """Says goodbye to every peer and releases the connections and the segment."""

@@ -149,13 +149,19 @@ class Connection:
                 "unreachable.", self.peer))
             raise self.failure
 
-    def abort(self, message: str) -> None:
-        """Tells the peer why this worker gives up (best effort), then fails the link."""
+    def abort(self, message: str) -> Request:
+        """Tells the peer why this worker gives up (best effort), then fails the link.
+
+        Returns:
+            The ABORT frame's request: done once it is sent, or once the link failed.
+        """
         payload = message.encode("utf-8", "replace")[:wire.MAX_CONTROL_PAYLOAD]
+        request = Request((wire.Kind.ABORT, 0, 0), [memoryview(payload)])
         with self._writing:
             self._queued += 1
-        self._outbox.put(Request((wire.Kind.ABORT, 0, 0), [memoryview(payload)]))
+        self._outbox.put(request)
         self._outbox.put(_CLOSE)
+        return request
 
     def close(self, timeout: float = 2.0) -> None:
         """Says goodbye and closes once the peer has too (or after `timeout`).

@@ -78,12 +78,15 @@ def restoring_threshold(dataset):
     """
     cls = type(dataset)
     if cls not in _RESTORING.values():
-        if cls not in _RESTORING:
-            def __iter__(self, _base=cls):
-                iterator = _base.__iter__(self)
-                restore_threshold()
-                return iterator
-            _RESTORING[cls] = type(cls.__name__, (cls,), {"__iter__": __iter__,
-                                                          "__module__": cls.__module__})
-        dataset.__class__ = _RESTORING[cls]
+        dataset.__class__ = _RESTORING.get(cls) or _RESTORING.setdefault(
+            cls, _restoring_subclass(cls))
     return dataset
+
+
+def _restoring_subclass(cls: type) -> type:
+    def __iter__(self):
+        iterator = cls.__iter__(self)
+        restore_threshold()
+        return iterator
+
+    return type(cls.__name__, (cls,), {"__iter__": __iter__, "__module__": cls.__module__})

@@ -1,5 +1,8 @@
 """BackupAndRestore with real crashes (SIGKILL), real SIGTERM and real files."""
 
+import hashlib
+import json
+import mmap
 import os
 import signal
 import subprocess
@@ -155,6 +158,22 @@ def test_corrupt_newest_backup_falls_back_to_the_previous_one(tmp_path, damage):
     with pytest.warns(UserWarning, match="backup-000000000016 is unusable"):
         callback = fit_with_backups(tmp_path, epochs=3)
     assert callback.restored_step == 12
+
+
+def test_backups_in_format_1_with_a_sha256_are_still_read(tmp_path):
+    fit_with_backups(tmp_path)
+    target = tmp_path / newest(tmp_path)
+    manifest = json.loads((target / "manifest.json").read_text())
+    assert manifest["format"] == 2 and "crc32" in manifest["files"]["state.bin"]
+    state = (target / "state.bin").read_bytes()
+    manifest["format"] = 1
+    manifest["files"]["state.bin"] = {"bytes": len(state),
+                                      "sha256": hashlib.sha256(state).hexdigest()}
+    (target / "manifest.json").write_text(json.dumps(manifest))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert fit_with_backups(tmp_path, epochs=3).restored_step == 16
+    assert not [w for w in caught if "BackupAndRestore" in str(w.message)]
 
 
 def test_all_backups_corrupt_starts_fresh_with_a_warning(tmp_path):
@@ -318,3 +337,88 @@ def test_backups_on_a_tf_io_gfile_filesystem(tmp_path):
     callback = td.callbacks.BackupAndRestore(directory, delete_checkpoint=False)
     model.fit(small_data(), epochs=3, verbose=0, callbacks=[callback])
     assert callback.restored_step == 16
+
+
+def test_a_backup_holds_its_steps_state_while_training_goes_on(tmp_path):
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 3:  # step 4, just saved
+                self.at_save = [w.numpy() for w in self.model.weights]
+            if batch == 6:  # steps 5-7 trained while the backup was written
+                raise RuntimeError("stop")
+
+    record = Record()
+    callback = slow_writes(td.callbacks.BackupAndRestore(str(tmp_path), save_freq=4), 0.5)
+    model = small_model()
+    with pytest.raises(RuntimeError, match="stop"):
+        model.fit(small_data(), epochs=1, verbose=0, callbacks=[callback, record])
+    callback._writer.wait()
+    manifest, arrays = td.callbacks.backup_store.BackupStore(str(tmp_path), 2).read_latest()
+    assert manifest["step"] == 4
+    for i, saved in enumerate(record.at_save):
+        np.testing.assert_array_equal(arrays[f"model/{i}"], saved)
+    assert not np.array_equal(model.weights[0].numpy(), record.at_save[0])
+
+
+@pytest.mark.parametrize("delete_checkpoint, steps", [(True, [4, 8, 12]),
+                                                      (False, [4, 8, 12, 16])])
+def test_no_backup_after_the_last_step_when_fit_deletes_them(tmp_path, delete_checkpoint, steps):
+    callback = td.callbacks.BackupAndRestore(str(tmp_path), save_freq=4,
+                                             delete_checkpoint=delete_checkpoint)
+    saved, write = [], callback._store.write
+    callback._store.write = lambda step, *a: (saved.append(step), write(step, *a))[1]
+    small_model().fit(small_data(), epochs=2, verbose=0, callbacks=[callback])
+    assert saved == steps
+
+
+def test_host_snapshot_copies_into_buffers_it_keeps():
+    snapshot = td.callbacks.host_snapshot.HostSnapshot(threads=3)
+    big = np.arange(5 << 20, dtype=np.float32)  # 20 MB: copied in pieces by 3 threads
+    arrays = [("big", big), ("scalar", np.float64(2.5)), ("empty", np.zeros((0, 3), "int32")),
+              ("strided", np.arange(12, dtype=np.int64).reshape(3, 4)[:, ::2])]
+    first = snapshot.copy(arrays)
+    for (name, source), (copied_name, copy) in zip(arrays, first, strict=True):
+        assert name == copied_name
+        np.testing.assert_array_equal(copy, source)
+        assert copy.dtype == np.asarray(source).dtype
+    big += 1
+    second = snapshot.copy(arrays)
+    assert second[0][1] is first[0][1]  # the same buffer, no new allocation
+    assert all(copy.ctypes.data % mmap.PAGESIZE == 0 for _, copy in second)  # see DirectFile
+    np.testing.assert_array_equal(second[0][1], big)
+    reshaped = snapshot.copy([("big", big.reshape(1024, -1))])
+    assert reshaped[0][1] is not first[0][1] and reshaped[0][1].shape == (1024, 5 << 10)
+    snapshot.release()
+    assert snapshot.copy(arrays)[0][1] is not first[0][1]
+
+
+def test_direct_file_writes_any_chunks_past_the_page_cache(tmp_path):
+    aligned = np.frombuffer(mmap.mmap(-1, 3 << 20), np.uint8)  # page-aligned memory
+    aligned[:] = np.arange(aligned.size) % 251
+    chunks = [b"", b"ten bytes!", aligned[:4096 + 7],        # unaligned file offset: staged
+              bytes(-(4096 + 17) % 4096),                    # pads the file to a block
+              aligned, np.arange(9 << 18, dtype=np.int32),   # written as is; then staged
+              b"tail"]
+    path = tmp_path / "state.bin"
+    with td.callbacks.direct_file.DirectFile(str(path)) as f:
+        for chunk in chunks:
+            f.write(chunk)
+    expected = b"".join(bytes(memoryview(c).cast("B")) for c in chunks)
+    assert path.read_bytes() == expected  # exact size: the padded last block cut off
+    if sys.platform.startswith("linux"):  # ext4, xfs, btrfs take O_DIRECT (tmpfs does not)
+        assert f.direct
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["O_DIRECT", "buffered"])
+def test_large_arrays_start_on_a_block_in_the_state_file(tmp_path, monkeypatch, direct):
+    backup_store = td.callbacks.backup_store
+    monkeypatch.setattr(backup_store, "_DIRECT_FROM_BYTES", 0 if direct else 1 << 62)
+    store = backup_store.BackupStore(str(tmp_path), 1)
+    arrays = [("bias", np.arange(3, dtype=np.float32)),
+              ("kernel", np.arange(1 << 18, dtype=np.float32).reshape(512, 512)),
+              ("step", np.int64(7))]
+    store.write(1, arrays, {})
+    manifest, restored = store.read_latest()
+    assert [e["offset"] for e in manifest["arrays"]] == [0, 4096, 4096 + (1 << 20)]
+    for name, value in arrays:
+        np.testing.assert_array_equal(restored[name], value)

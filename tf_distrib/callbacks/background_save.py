@@ -15,16 +15,17 @@ class BackgroundSave:
     """Runs save jobs one at a time off the training thread.
 
     `start` waits for the previous job first (at most one in flight); `wait` returns
-    once the current one is done and raises what it raised. An exiting interpreter
-    waits for a running job (up to `EXIT_WAIT_SECONDS`), so a backup that was started
-    is finished unless the process is killed, and a killed write leaves a backup
-    without a manifest, which restores skip (with a warning).
+    once the current one is done and raises what it raised; `what` describes the job
+    last started. An exiting interpreter waits for a running job (up to
+    `EXIT_WAIT_SECONDS`), so a backup that was started is finished unless the process
+    is killed, and a killed write leaves a backup without a manifest, which restores
+    skip (with a warning).
     """
 
     def __init__(self):
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._what = ""
+        self.what = ""
         atexit.register(self._wait_at_exit)
 
     @property
@@ -34,7 +35,7 @@ class BackgroundSave:
     def start(self, job, what: str) -> float:
         """Runs `job()` in the background; returns the seconds spent waiting for the last."""
         waited = self.wait()
-        self._what = what
+        self.what = what
         self._thread = threading.Thread(target=self._run, args=(job,), daemon=True,
                                         name="tf_distrib-backup")
         self._thread.start()
@@ -51,11 +52,11 @@ class BackgroundSave:
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
-                raise TimeoutError(f"{self._what} still runs after {timeout:g} s.")
+                raise TimeoutError(f"{self.what} still runs after {timeout:g} s.")
             self._thread = None
         if self._error is not None:
             error, self._error = self._error, None
-            raise RuntimeError(f"{self._what} failed: {error}") from error
+            raise RuntimeError(f"{self.what} failed: {error}") from error
         return time.monotonic() - start
 
     def _run(self, job) -> None:
@@ -67,7 +68,7 @@ class BackgroundSave:
     def _wait_at_exit(self) -> None:
         if not self.busy:
             return
-        sys.stderr.write(f"tf_distrib: waiting for {self._what} to finish before exiting\n")
+        sys.stderr.write(f"tf_distrib: waiting for {self.what} to finish before exiting\n")
         sys.stderr.flush()
         try:
             self.wait(EXIT_WAIT_SECONDS)

@@ -1,12 +1,18 @@
 """Atomic, verified backups of named arrays, through tf.io.gfile (local or cloud paths).
 
 A backup is a directory `backup-<global step>/` holding `state.bin` (the arrays'
-raw bytes, back to back) and `manifest.json` (metadata, each array's name, dtype,
-shape and offset, and the state file's size and sha256). The manifest is written last,
+raw bytes, back to back, those of 1 MiB or more from a multiple of 4096 bytes) and
+`manifest.json` (metadata, each array's name, dtype, shape and offset, and the state
+file's size and CRC-32). The manifest is written last,
 under a temporary name and renamed into place (a file rename, which every tf.io.gfile
 file system has: object stores like gs:// cannot rename directories). So a backup is
 committed the moment its manifest appears; one without a manifest (a writer killed in
-the middle), or whose checksum does not match, is skipped with a warning.
+the middle), or whose checksum does not match, is skipped with a warning. On a local
+disk a large state file is written past the page cache (see `DirectFile`).
+
+The checksum is a CRC-32, as in TensorFlow's own checkpoints and TFRecords: it is there
+to catch truncated or damaged files, not tampering, and runs at 2.7-4 GB/s against
+sha256's 1.8 GB/s (format 1 backups, with a sha256, are still read).
 """
 
 from __future__ import annotations
@@ -16,11 +22,17 @@ import json
 import posixpath
 import uuid
 import warnings
+import zlib
 
 import numpy as np
 import tensorflow as tf
 
-FORMAT_VERSION = 1
+from tf_distrib.callbacks.direct_file import DirectFile
+
+FORMAT_VERSION = 2
+# The state file's checksum by format version: the name in the manifest, and its function.
+_CHECKSUMS = {1: ("sha256", lambda data: hashlib.sha256(data).hexdigest()),
+              2: ("crc32", zlib.crc32)}
 _PREFIX = "backup-"
 _TMP_PREFIX = ".tmp-"
 _STATE = "state.bin"
@@ -50,20 +62,28 @@ class BackupStore:
         if tf.io.gfile.exists(manifest_path):
             return final  # same step saved twice: the state is identical
         tf.io.gfile.makedirs(final)
-        digest, entries, offset = hashlib.sha256(), [], 0
-        with _open_for_writing(posixpath.join(final, _STATE)) as f:
+        crc, entries, offset = 0, [], 0
+        arrays = [(name, np.asarray(value, order="C")) for name, value in arrays]
+        size = sum(value.nbytes for _, value in arrays)
+        with _open_for_writing(posixpath.join(final, _STATE), size) as f:
             for name, value in arrays:
-                value = np.asarray(value, order="C")
+                if value.nbytes >= _CHUNK_BYTES and offset % _BLOCK:
+                    # A large array starts on a block: from aligned memory (HostSnapshot's),
+                    # DirectFile writes it without a copy.
+                    padding = bytes(-offset % _BLOCK)
+                    crc = zlib.crc32(padding, crc)
+                    f.write(padding)
+                    offset += len(padding)
                 entries.append({"name": name, "dtype": value.dtype.name,
                                 "shape": list(value.shape), "offset": offset,
                                 "bytes": value.nbytes})
                 for chunk in _chunks(value):
-                    digest.update(chunk)
+                    crc = zlib.crc32(chunk, crc)
                     f.write(chunk)
                 offset += value.nbytes
         manifest = {"format": FORMAT_VERSION, "step": step, "metadata": metadata,
                     "arrays": entries,
-                    "files": {_STATE: {"bytes": offset, "sha256": digest.hexdigest()}}}
+                    "files": {_STATE: {"bytes": offset, "crc32": crc}}}
         tmp = f"{manifest_path}{_TMP_PREFIX}{uuid.uuid4().hex}"
         with tf.io.gfile.GFile(tmp, "w") as f:
             f.write(json.dumps(manifest))
@@ -122,15 +142,24 @@ class _Corrupt(Exception):
     pass
 
 
-# Local files take numpy's memory as it is; tf.io.gfile wants bytes, one copy per chunk.
 # Small enough that a chunk the checksum has just read is still in cache for the write
 # (measured: a synchronous save of 529 MB went from 1.45-1.50 s to 0.44-1.19 s with 1 MiB
 # instead of 64 MiB chunks).
 _CHUNK_BYTES = 1 << 20
+_BLOCK = 4096
 
 
-def _open_for_writing(path: str):
-    return open(path, "wb") if "://" not in path else _GFileWriter(path)
+# From this size on, local state files are written past the page cache. Measured on the
+# development VM: up to 128 MB, buffered writes that reuse the page cache a deleted backup
+# freed a moment before are faster (8 MB: 3 ms against 12 ms); at 529 MB, a save every few
+# seconds, they cost 0.4-1.3 s of kernel time against 0.23 s of wall time with O_DIRECT.
+_DIRECT_FROM_BYTES = 256 << 20
+
+
+def _open_for_writing(path: str, size: int):
+    if "://" in path:
+        return _GFileWriter(path)
+    return DirectFile(path) if size >= _DIRECT_FROM_BYTES else open(path, "wb")
 
 
 class _GFileWriter:
@@ -164,8 +193,11 @@ def _read(path: str) -> tuple[dict, dict[str, np.ndarray]]:
         with tf.io.gfile.GFile(manifest_path, "r") as f:
             manifest = json.loads(f.read())
         expected = manifest["files"][_STATE]
-        if manifest.get("format") != FORMAT_VERSION:
-            raise _Corrupt(f"format {manifest.get('format')!r}, expected {FORMAT_VERSION}")
+        if manifest.get("format") not in _CHECKSUMS:
+            raise _Corrupt(f"format {manifest.get('format')!r}, this version reads "
+                           f"{sorted(_CHECKSUMS)}")
+        checksum, compute = _CHECKSUMS[manifest["format"]]
+        expected_sum = expected[checksum]
     except (ValueError, KeyError, TypeError) as e:
         raise _Corrupt(f"unreadable manifest.json: {e}") from None
     state_path = posixpath.join(path, _STATE)
@@ -175,8 +207,8 @@ def _read(path: str) -> tuple[dict, dict[str, np.ndarray]]:
         blob = f.read()
     if len(blob) != expected["bytes"]:
         raise _Corrupt(f"{_STATE} has {len(blob)} bytes, the manifest says {expected['bytes']}")
-    if hashlib.sha256(blob).hexdigest() != expected["sha256"]:
-        raise _Corrupt(f"{_STATE} fails its sha256 checksum")
+    if compute(blob) != expected_sum:
+        raise _Corrupt(f"{_STATE} fails its {checksum} checksum")
     arrays = {}
     for entry in manifest["arrays"]:
         raw = blob[entry["offset"]:entry["offset"] + entry["bytes"]]

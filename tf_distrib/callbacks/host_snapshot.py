@@ -1,0 +1,87 @@
+"""Host memory that holds a copy of the training state while a backup is written."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+# Pieces copied in parallel: big enough that a thread's start-up is noise, small enough to
+# spread one large variable over the threads.
+_PIECE_BYTES = 16 << 20
+_PAGE = mmap.PAGESIZE
+
+
+class HostSnapshot:
+    """Copies named arrays into one block of host memory kept from one save to the next.
+
+    The block is mapped and touched once (for as long as the names, shapes and dtypes
+    stay the same), so a save costs one parallel memcpy of the state and no page
+    faults. Two alternatives were measured on the backup benchmark (529 MB) and
+    rejected: a snapshot that keeps TensorFlow's buffers alive makes TensorFlow copy
+    each variable the next step updates into freshly mapped memory (0.1-1.2 s per save,
+    against 0.03 s for this copy); and numpy's own large arrays ask for transparent
+    huge pages, which this VM's kernel compacts memory for on the first touch (1.2 s of
+    kernel time for 529 MB, against 0.3 s for the 4 KiB pages of a plain mapping).
+
+    Args:
+        threads: Copy threads. Defaults to the host's cores, at most 4.
+
+    Example:
+
+    ```python
+    snapshot = HostSnapshot()
+    copies = snapshot.copy([("w", np.ones((1024, 1024), "float32"))])
+    ```
+    """
+
+    def __init__(self, threads: int | None = None):
+        self._threads = threads or min(os.cpu_count() or 1, 4)
+        self._layout: list[tuple[str, tuple, np.dtype]] = []
+        self._buffers: list[np.ndarray] = []
+
+    def allocate(self, specs: list[tuple[str, tuple, np.dtype]]) -> None:
+        """Maps and touches memory for (name, shape, dtype) arrays, unless it already is.
+
+        Run off the training thread, this takes the page faults out of the first save.
+        """
+        layout = [(name, tuple(shape), np.dtype(dtype)) for name, shape, dtype in specs]
+        if layout == self._layout:
+            return
+        # Each array starts on a page: a local backup writes it to disk without a copy.
+        sizes = [-(-int(np.prod(shape)) * dtype.itemsize // _PAGE) * _PAGE
+                 for _, shape, dtype in layout]
+        block = mmap.mmap(-1, max(sum(sizes), _PAGE),
+                          flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        # One thread: the page faults cost kernel time more than bandwidth, and a core
+        # that training leaves free takes them all.
+        np.frombuffer(block, np.uint8).fill(0)
+        offsets = np.cumsum([0] + sizes[:-1])
+        # The views keep `block` mapped; it is unmapped when the last of them is dropped.
+        self._buffers = [
+            np.frombuffer(block, dtype, int(np.prod(shape)), int(offset)).reshape(shape)
+            for (_, shape, dtype), offset in zip(layout, offsets, strict=True)]
+        self._layout = layout
+
+    def copy(self, arrays: list[tuple[str, np.ndarray]]) -> list[tuple[str, np.ndarray]]:
+        """Copies `arrays` into the kept memory; returns (name, copy) pairs in order."""
+        arrays = [(name, np.asarray(source)) for name, source in arrays]
+        self.allocate([(name, source.shape, source.dtype) for name, source in arrays])
+        pieces = []
+        for (_, source), buffer in zip(arrays, self._buffers, strict=True):
+            flat_buffer, flat_source = buffer.reshape(-1), np.ravel(source)
+            step = max(_PIECE_BYTES // max(buffer.itemsize, 1), 1)
+            pieces += [(flat_buffer[i:i + step], flat_source[i:i + step])
+                       for i in range(0, buffer.size, step)]
+        with ThreadPoolExecutor(self._threads) as pool:
+            list(pool.map(lambda piece: np.copyto(*piece), pieces))  # numpy drops the GIL
+        return [(name, buffer) for (name, _), buffer in zip(arrays, self._buffers, strict=True)]
+
+    def release(self) -> None:
+        """Drops the memory (the next copy maps it again)."""
+        buffers, self._layout, self._buffers = self._buffers, [], []
+        # Unmapping 529 MB takes 0.09 s: not on the training thread.
+        threading.Thread(target=buffers.clear, name="tf_distrib-unmap", daemon=True).start()

@@ -1,18 +1,19 @@
 """Atomic, verified backups of named arrays, through tf.io.gfile (local or cloud paths).
 
-A backup is a directory `backup-<global step>/` holding `state.bin` (the arrays'
-raw bytes, back to back, those of 1 MiB or more from a multiple of 4096 bytes) and
+A backup is a directory `backup-<global step>/` holding `state.bin` (the arrays' raw
+bytes, back to back, those of 1 MiB or more from a multiple of 4096 bytes) and
 `manifest.json` (metadata, each array's name, dtype, shape and offset, and the state
-file's size and CRC-32). The manifest is written last,
-under a temporary name and renamed into place (a file rename, which every tf.io.gfile
-file system has: object stores like gs:// cannot rename directories). So a backup is
-committed the moment its manifest appears; one without a manifest (a writer killed in
-the middle), or whose checksum does not match, is skipped with a warning. On a local
-disk a large state file is written past the page cache (see `DirectFile`).
+file's size and CRC-32). The manifest is written last, under a temporary name and
+renamed into place (a file rename, which every tf.io.gfile file system has: object
+stores like gs:// cannot rename directories). So a backup is committed the moment its
+manifest appears; one without a manifest (a writer killed in the middle), or whose
+checksum does not match, is skipped with a warning. On a local disk a large state file
+is written past the page cache (see `DirectFile`).
 
 The checksum is a CRC-32, as in TensorFlow's own checkpoints and TFRecords: it is there
-to catch truncated or damaged files, not tampering, and runs at 2.7-4 GB/s against
-sha256's 1.8 GB/s (format 1 backups, with a sha256, are still read).
+to catch truncated or damaged files, not tampering, and runs at 7 GB/s on the
+development VM against sha256's 1.8 GB/s (format 1 backups, with a sha256, are still
+read).
 """
 
 from __future__ import annotations

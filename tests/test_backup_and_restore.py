@@ -392,6 +392,25 @@ def test_host_snapshot_copies_into_buffers_it_keeps():
     assert snapshot.copy(arrays)[0][1] is not first[0][1]
 
 
+def test_host_memory_is_mapped_after_the_first_step_and_every_save_reuses_it(tmp_path):
+    callback = td.callbacks.BackupAndRestore(str(tmp_path), save_freq=4)
+
+    class Check(keras.callbacks.Callback):  # runs after `callback` at each hook
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 0:
+                callback._writer.wait()  # the mapping, started by this step's end
+                self.mapped = list(callback._snapshot._buffers)
+                assert self.mapped
+            if batch in (3, 7):  # steps 4 and 8 were just saved
+                assert all(a is b for a, b in zip(callback._snapshot._buffers, self.mapped,
+                                                  strict=True))
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    # Adam's slots and the metric's totals do not exist before the first step.
+    model.compile(keras.optimizers.Adam(0.1), "mse", metrics=["mae"])
+    model.fit(small_data(), epochs=2, verbose=0, callbacks=[callback, Check()])
+
+
 def test_direct_file_writes_any_chunks_past_the_page_cache(tmp_path):
     aligned = np.frombuffer(mmap.mmap(-1, 3 << 20), np.uint8)  # page-aligned memory
     aligned[:] = np.arange(aligned.size) % 251

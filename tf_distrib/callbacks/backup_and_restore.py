@@ -29,13 +29,13 @@ class BackupAndRestore(keras.callbacks.Callback):
       `backup_dir`.
     - **Asynchronous** (`async_save=True`): the training thread only copies the
       state into host memory kept from one save to the next (one more copy of the
-      state in host memory while `fit` runs, mapped at its start in the background;
-      529 MB take about 0.03 s to copy); the checksum, the write (on a local disk,
-      past the page cache) and the atomic rename happen on a background thread. At
-      most one save is in flight: a save that comes due while the previous one is
-      still being written waits for it (and says how long, when `verbose`). The end
-      of `fit`, a preemption and the exit of the process wait for the backup in
-      flight; a backup is listed only once it is complete.
+      state in host memory while `fit` runs, mapped in the background after its
+      first step; 529 MB take about 0.03 s to copy); the checksum, the write (on a
+      local disk, past the page cache) and the atomic rename happen on a background
+      thread. At most one save is in flight: a save that comes due while the
+      previous one is still being written waits for it (and says how long, when
+      `verbose`). The end of `fit`, a preemption and the exit of the process wait
+      for the backup in flight; a backup is listed only once it is complete.
     - **Atomic and verified**: a backup's manifest, with the CRC-32 of its state, is
       written last and renamed into place: the backup exists from that moment, on
       local disks and object stores (gs://) alike. On restore the newest backup that
@@ -144,11 +144,6 @@ class BackupAndRestore(keras.callbacks.Callback):
             if self.verbose:
                 print(f"BackupAndRestore: resuming from step {manifest['step']} "
                       f"(epoch {epoch}, step {step} within it)", flush=True)
-        if self.async_save and self._is_chief and self.model.built:
-            specs = [(name, v.shape, tf.as_dtype(v.dtype).as_numpy_dtype)
-                     for name, v in self._named_variables()]
-            self._writer.start(lambda: self._snapshot.allocate(specs),
-                               "allocating host memory for backups")
         if self.save_before_preemption:
             self._preemption = PreemptionWatcher(multi_worker=_is_multi_worker(strategy),
                                                  model=self.model)
@@ -162,6 +157,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         steps = self.model.steps_per_execution
         self._step_in_epoch = batch + 1
         self._global_step += steps
+        if self.async_save and self._is_chief and (
+                self._global_step == (self.restored_step or 0) + steps):
+            self._map_host_memory()  # after the first step: Keras builds some state in it
         # With steps_per_execution > 1 the step count can jump over a multiple.
         if (self.save_freq != "epoch"
                 and self._global_step // self.save_freq
@@ -210,6 +208,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         """(name, variable) for every saved variable, in the backup's order."""
         return [(f"{group}/{i}", v) for group, variables in self._variables().items()
                 for i, v in enumerate(variables)]
+
+    def _map_host_memory(self) -> None:
+        """Maps the memory saves copy into, off the training thread (see HostSnapshot)."""
+        specs = [(name, v.shape, tf.as_dtype(v.dtype).as_numpy_dtype)
+                 for name, v in self._named_variables()]
+        self._writer.start(lambda: self._snapshot.allocate(specs),
+                           "mapping host memory for backups")
 
     def _at_update_boundary(self) -> bool:
         """Whether no gradients wait in accumulators (`gradient_accumulation_steps`).

@@ -83,5 +83,5 @@ class HostSnapshot:
     def release(self) -> None:
         """Drops the memory (the next copy maps it again)."""
         buffers, self._layout, self._buffers = self._buffers, [], []
-        # Unmapping 529 MB takes 0.09 s: not on the training thread.
-        threading.Thread(target=buffers.clear, name="tf_distrib-unmap", daemon=True).start()
+        if buffers:  # unmapping 529 MB takes 0.09 s: not on the training thread
+            threading.Thread(target=buffers.clear, name="tf_distrib-unmap", daemon=True).start()

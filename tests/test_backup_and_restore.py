@@ -4,6 +4,7 @@ import hashlib
 import json
 import mmap
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -188,21 +189,33 @@ def test_all_backups_corrupt_starts_fresh_with_a_warning(tmp_path):
     assert callback.restored_step is None
 
 
-def test_leftover_temporary_files_are_ignored(tmp_path):
-    (tmp_path / ".tmp-crashed-writer").mkdir()
-    (tmp_path / ".tmp-crashed-writer" / "state.bin").write_bytes(b"partial")
+def test_leftover_temporary_and_retired_files_are_ignored_then_deleted(tmp_path):
+    # A killed writer's temporary files, and a backup a killed deletion left retired.
+    for leftover in (".tmp-crashed-writer", ".retired-000000000008-killed"):
+        (tmp_path / leftover).mkdir()
+        (tmp_path / leftover / "state.bin").write_bytes(b"partial")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert fit_with_backups(tmp_path, epochs=1).restored_step is None
     assert not [w for w in caught if "BackupAndRestore" in str(w.message)]
+    callback = td.callbacks.BackupAndRestore(str(tmp_path), save_freq=4)
+    small_model().fit(small_data(), epochs=1, verbose=0, callbacks=[callback])
+    callback._writer.wait()
+    assert os.listdir(tmp_path) == [".tmp-crashed-writer"]
 
 
 def test_delete_checkpoint_and_keep(tmp_path):
     callback = td.callbacks.BackupAndRestore(str(tmp_path), save_freq=2, keep=3)
+    purge = callback._store.purge_retired
+    callback._store.purge_retired = lambda: (time.sleep(2), purge())
     small_model().fit(small_data(), epochs=1, verbose=0, callbacks=[callback])
-    assert os.listdir(tmp_path) == []
-    fit_with_backups(tmp_path, keep=3)
+    # Gone from the directory when fit returns, though their files are still being
+    # deleted: a fit that follows at once starts afresh.
+    assert callback._writer.busy and len(os.listdir(tmp_path)) == 3
+    assert fit_with_backups(tmp_path, keep=3).restored_step is None
     assert len([p for p in os.listdir(tmp_path) if p.startswith("backup-")]) == 3
+    callback._writer.wait()
+    assert len(os.listdir(tmp_path)) == 3
 
 
 def test_completed_training_still_restores_the_weights(tmp_path):
@@ -390,6 +403,18 @@ def test_host_snapshot_copies_into_buffers_it_keeps():
     assert reshaped[0][1] is not first[0][1] and reshaped[0][1].shape == (1024, 5 << 10)
     snapshot.release()
     assert snapshot.copy(arrays)[0][1] is not first[0][1]
+
+
+@pytest.mark.parametrize("populate", [True, False], ids=["MADV_POPULATE_WRITE", "zeros"])
+def test_host_snapshot_memory_is_faulted_in_before_the_first_copy(monkeypatch, populate):
+    if not populate:  # as on kernels before 5.14: madvise fails with EINVAL
+        monkeypatch.setattr(td.callbacks.host_snapshot, "_MADV_POPULATE_WRITE", -1)
+    snapshot = td.callbacks.host_snapshot.HostSnapshot(threads=1)
+    state = np.ones(64 << 20, np.uint8)  # 16384 pages
+    snapshot.allocate([("state", state.shape, state.dtype)])
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    snapshot.copy([("state", state)])
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults < 1024
 
 
 def test_host_memory_is_mapped_after_the_first_step_and_every_save_reuses_it(tmp_path):

@@ -6,15 +6,16 @@ Two measurements, each in the same run as the `fit` without backups it is compar
   step (save_freq=1); the extra time per step is the cost of one save.
 - Large state (MLP 1024-6144-6144-10 with Adam, ~530 MB of weights and slots): `fit`
   for 80 steps with a backup every 20 (steps 20, 40 and 60: with the default
-  delete_checkpoint, none after the last step), in 3 rounds of (none, sync, async),
-  the fastest run of each kept, in a process of its own: once with TensorFlow's
-  threads on every core, once with one core left free (as a GPU job leaves host
-  cores). "Blocked" is the time the training thread spends in the callback per save
-  (for the asynchronous save: copying the state into host memory kept from one save to
-  the next, and waiting for the previous save if it still runs); "fit overhead" is the
-  whole cost against `fit` without backups, which for the asynchronous save includes
-  mapping that memory once per `fit` and the background work (checksum, writes) that
-  shares the cores and the memory bus with training.
+  delete_checkpoint, none after the last step), in 5 rounds of (sync, none, async),
+  each compared to the run without backups of its round (the median over rounds
+  kept), in a process of its own: once with TensorFlow's threads on every core, once
+  with one core left free (as a GPU job leaves host cores). "Blocked" is the time the
+  training thread spends in the callback per save (for the asynchronous save: copying
+  the state into host memory kept from one save to the next, and waiting for the
+  previous save if it still runs); "fit overhead" is the whole cost against `fit`
+  without backups, which for the asynchronous save includes mapping that memory once
+  per `fit` and the background work (checksum, writes) that shares the cores and the
+  memory bus with training.
 """
 
 from __future__ import annotations
@@ -93,8 +94,6 @@ def _large(tmp, rounds):
     model = mlp((6144, 6144), optimizer=keras.optimizers.Adam(1e-4), inputs=1024)
     model.fit(dataset.take(2), epochs=1, verbose=0)  # trace and build
     state_mb = sum(np.prod(v.shape) * 4 for v in model.variables + model.optimizer.variables)
-    # Rounds of (none, sync, async), each setting's fastest run kept: a slow phase of
-    # the machine must not land on one setting only.
     made = {"sync": [], "async": []}
 
     def backups(name):
@@ -105,17 +104,24 @@ def _large(tmp, rounds):
                                         async_save=name == "async"))
         return made[name][-1:]
 
-    seconds = {"none": [], "sync": [], "async": []}
+    # Rounds of (sync, none, async): each setting with backups is compared to the run
+    # without, right next to it, and the median over rounds is kept. The development VM
+    # switches between two speeds (25% apart) every few seconds to minutes; comparing each
+    # setting's fastest run instead put the three in different phases.
+    seconds = {"sync": [], "none": [], "async": []}
     for _ in range(rounds):
         for name, runs in seconds.items():
             runs.append(_fit_seconds(model, dataset, lambda n=name: backups(n), 1))
-    plain = min(seconds["none"])
-    results = {"state_mb": float(state_mb) / 1e6, "fit_seconds_without_backups": plain,
+    results = {"state_mb": float(state_mb) / 1e6,
+               "fit_seconds_without_backups": statistics.median(seconds["none"]),
                "fit_seconds": seconds}
     for name in ("sync", "async"):
         blocked = [t for c in made[name] for t in c.blocked]
+        overheads = [100 * (t / plain - 1)
+                     for t, plain in zip(seconds[name], seconds["none"], strict=True)]
         results[name] = {"blocked_seconds_per_save": statistics.median(blocked),
-                         "fit_overhead_percent": 100 * (min(seconds[name]) - plain) / plain}
+                         "fit_overhead_percent": statistics.median(overheads),
+                         "fit_overhead_percent_per_round": overheads}
     return results
 
 
@@ -141,7 +147,7 @@ def run(options) -> dict:
     repeats = 1 if options.quick else 3
     with tempfile.TemporaryDirectory() as tmp:
         small = _small(tmp, repeats)
-    rounds = 1 if options.quick else 3
+    rounds = 1 if options.quick else 5
     cores = os.cpu_count() or 1
     large = {"every core trains": run_in_fresh_process(__name__, rounds, cores)}
     if cores > 1:

@@ -9,17 +9,20 @@ import time
 
 # How long an exiting process waits for a backup still being written.
 EXIT_WAIT_SECONDS = 600.0
+# How long it waits before it says so (deleting backups at the end of fit takes ~0.1 s).
+_QUIET_EXIT_WAIT_SECONDS = 1.0
 
 
 class BackgroundSave:
-    """Runs save jobs one at a time off the training thread.
+    """Runs backup jobs (mapping memory, writing, deleting) one at a time off the training thread.
 
     `start` waits for the previous job first (at most one in flight); `wait` returns
     once the current one is done and raises what it raised; `what` describes the job
     last started. An exiting interpreter waits for a running job (up to
     `EXIT_WAIT_SECONDS`), so a backup that was started is finished unless the process
-    is killed, and a killed write leaves a backup without a manifest, which restores
-    skip (with a warning).
+    is killed. A killed write leaves a backup without a manifest, which restores skip
+    (with a warning); a killed deletion leaves retired backups, which restores do not
+    see and the next deletion removes.
     """
 
     def __init__(self):
@@ -66,6 +69,8 @@ class BackgroundSave:
             self._error = e
 
     def _wait_at_exit(self) -> None:
+        if self._thread is not None:
+            self._thread.join(_QUIET_EXIT_WAIT_SECONDS)
         if not self.busy:
             return
         sys.stderr.write(f"tf_distrib: waiting for {self.what} to finish before exiting\n")

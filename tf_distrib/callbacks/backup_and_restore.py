@@ -64,7 +64,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         save_freq: "epoch" to back up at the end of every epoch, or a positive int N
             to also back up every N training steps. Defaults to "epoch".
         delete_checkpoint: Delete the backups when training finishes normally (and
-            so make none after the last step). Defaults to True.
+            so make none after the last step). They are gone from the directory's
+            listing when `fit` returns, and their files are deleted in the
+            background. Defaults to True.
         keep: How many of the newest backups to keep. Defaults to 2.
         save_before_preemption: Save and exit on SIGTERM. Defaults to True.
         verbose: Print a line when training resumes, is preempted, or waits for a
@@ -196,7 +198,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._preemption = None
         _compat.set_initial_epoch(self.model, None)
         if self.delete_checkpoint and self._is_chief:
-            self._store.delete_all()
+            self._store.retire_all()  # a later fit on this directory starts afresh
+            self._writer.start(self._store.purge_retired,
+                               f"deleting the backups in {self.backup_dir}")
 
     # Save and restore ------------------------------------------------------------
 

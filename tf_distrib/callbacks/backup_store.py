@@ -8,7 +8,9 @@ renamed into place (a file rename, which every tf.io.gfile file system has: obje
 stores like gs:// cannot rename directories). So a backup is committed the moment its
 manifest appears; one without a manifest (a writer killed in the middle), or whose
 checksum does not match, is skipped with a warning. On a local disk a large state file
-is written past the page cache (see `DirectFile`).
+is written past the page cache (see `DirectFile`). On a local disk, backups to delete
+are first renamed to a hidden `.retired-` name, so that deleting them can run in the
+background.
 
 The checksum is a CRC-32, as in TensorFlow's own checkpoints and TFRecords: it is there
 to catch truncated or damaged files, not tampering, and runs at 7 GB/s on the
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import posixpath
 import uuid
 import warnings
@@ -36,6 +39,7 @@ _CHECKSUMS = {1: ("sha256", lambda data: hashlib.sha256(data).hexdigest()),
               2: ("crc32", zlib.crc32)}
 _PREFIX = "backup-"
 _TMP_PREFIX = ".tmp-"
+_RETIRED_PREFIX = ".retired-"
 _STATE = "state.bin"
 _MANIFEST = "manifest.json"
 
@@ -94,15 +98,8 @@ class BackupStore:
 
     def steps(self) -> list[int]:
         """Global steps of the committed backups, newest first."""
-        try:  # not isdir(): object stores and ram:// have no directories of their own
-            names = tf.io.gfile.listdir(self.directory)
-        except tf.errors.NotFoundError:
-            return []
-        steps = []
-        for name in names:
-            name = name.rstrip("/")
-            if name.startswith(_PREFIX) and name[len(_PREFIX):].isdigit():
-                steps.append(int(name[len(_PREFIX):]))
+        steps = [int(name[len(_PREFIX):]) for name in self._names()
+                 if name.startswith(_PREFIX) and name[len(_PREFIX):].isdigit()]
         return sorted(steps, reverse=True)
 
     def read_latest(self) -> tuple[dict, dict[str, np.ndarray]] | None:
@@ -126,10 +123,34 @@ class BackupStore:
                           stacklevel=2)
         return None
 
-    def delete_all(self) -> None:
-        """Deletes every backup, complete or not."""
+    def retire_all(self) -> None:
+        """Takes every backup out of `steps()` at once; `purge_retired` deletes them.
+
+        On a local disk each backup directory is renamed to a hidden name (atomic and
+        instant, where deleting two 529 MB backups takes 0.13 s of waiting for the
+        disk), so that the deletion can run in the background without a later restore
+        from this directory ever seeing half a backup. Object stores cannot rename
+        directories: there the backups are deleted here.
+        """
         for step in self.steps():
-            tf.io.gfile.rmtree(self._path(step))
+            path = self._path(step)
+            if "://" in path:
+                tf.io.gfile.rmtree(path)
+            else:
+                os.rename(path, posixpath.join(
+                    self.directory, f"{_RETIRED_PREFIX}{step:012d}-{uuid.uuid4().hex}"))
+
+    def purge_retired(self) -> None:
+        """Deletes the retired backups, those a killed process left too."""
+        for name in self._names():
+            if name.startswith(_RETIRED_PREFIX):
+                tf.io.gfile.rmtree(posixpath.join(self.directory, name))
+
+    def _names(self) -> list[str]:
+        try:  # not isdir(): object stores and ram:// have no directories of their own
+            return [name.rstrip("/") for name in tf.io.gfile.listdir(self.directory)]
+        except tf.errors.NotFoundError:
+            return []
 
     def _prune(self) -> None:
         for step in self.steps()[self.keep:]:

@@ -405,10 +405,7 @@ def test_host_snapshot_copies_into_buffers_it_keeps():
     assert snapshot.copy(arrays)[0][1] is not first[0][1]
 
 
-@pytest.mark.parametrize("populate", [True, False], ids=["MADV_POPULATE_WRITE", "zeros"])
-def test_host_snapshot_memory_is_faulted_in_before_the_first_copy(monkeypatch, populate):
-    if not populate:  # as on kernels before 5.14: madvise fails with EINVAL
-        monkeypatch.setattr(td.callbacks.host_snapshot, "_MADV_POPULATE_WRITE", -1)
+def test_host_snapshot_memory_is_faulted_in_before_the_first_copy():
     snapshot = td.callbacks.host_snapshot.HostSnapshot(threads=1)
     state = np.ones(64 << 20, np.uint8)  # 16384 pages
     snapshot.allocate([("state", state.shape, state.dtype)])

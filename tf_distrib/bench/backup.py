@@ -6,7 +6,7 @@ Two measurements, each in the same run as the `fit` without backups it is compar
   step (save_freq=1); the extra time per step is the cost of one save.
 - Large state (MLP 1024-6144-6144-10 with Adam, ~530 MB of weights and slots): `fit`
   for 80 steps with a backup every 20 (steps 20, 40 and 60: with the default
-  delete_checkpoint, none after the last step), in 5 rounds of (sync, none, async),
+  delete_checkpoint, none after the last step), in 7 rounds of (sync, none, async),
   each compared to the run without backups of its round (the median over rounds
   kept), in a process of its own: once with TensorFlow's threads on every core, once
   with one core left free (as a GPU job leaves host cores). "Blocked" is the time the
@@ -147,7 +147,7 @@ def run(options) -> dict:
     repeats = 1 if options.quick else 3
     with tempfile.TemporaryDirectory() as tmp:
         small = _small(tmp, repeats)
-    rounds = 1 if options.quick else 5
+    rounds = 1 if options.quick else 7
     cores = os.cpu_count() or 1
     large = {"every core trains": run_in_fresh_process(__name__, rounds, cores)}
     if cores > 1:

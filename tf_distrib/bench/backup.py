@@ -25,6 +25,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 
 from tf_distrib.bench import run_in_fresh_process
@@ -41,6 +42,11 @@ def _fit_seconds(model, dataset, callbacks, repeats, steps=None):
         start = time.perf_counter()
         model.fit(dataset, epochs=1, verbose=0, callbacks=callbacks(), steps_per_epoch=steps)
         times.append(time.perf_counter() - start)
+        # What a callback left running after `fit` (deleting its backups, unmapping its
+        # host memory) must not slow the next run down.
+        for thread in threading.enumerate():
+            if thread.name in ("tf_distrib-backup", "tf_distrib-unmap"):
+                thread.join(60)
     return statistics.median(times)
 
 

@@ -31,7 +31,7 @@ import zlib
 import numpy as np
 import tensorflow as tf
 
-from tf_distrib.callbacks.direct_file import DirectFile
+from tf_distrib.callbacks.direct_file import ALIGN, DirectFile
 
 FORMAT_VERSION = 2
 # The state file's checksum by format version: the name in the manifest, and its function.
@@ -72,10 +72,10 @@ class BackupStore:
         size = sum(value.nbytes for _, value in arrays)
         with _open_for_writing(posixpath.join(final, _STATE), size) as f:
             for name, value in arrays:
-                if value.nbytes >= _CHUNK_BYTES and offset % _BLOCK:
+                if value.nbytes >= _CHUNK_BYTES and offset % ALIGN:
                     # A large array starts on a block: from aligned memory (HostSnapshot's),
                     # DirectFile writes it without a copy.
-                    padding = bytes(-offset % _BLOCK)
+                    padding = bytes(-offset % ALIGN)
                     crc = zlib.crc32(padding, crc)
                     f.write(padding)
                     offset += len(padding)
@@ -134,11 +134,11 @@ class BackupStore:
         """
         for step in self.steps():
             path = self._path(step)
-            if "://" in path:
-                tf.io.gfile.rmtree(path)
-            else:
+            if _is_local(path):
                 os.rename(path, posixpath.join(
                     self.directory, f"{_RETIRED_PREFIX}{step:012d}-{uuid.uuid4().hex}"))
+            else:
+                tf.io.gfile.rmtree(path)
 
     def purge_retired(self) -> None:
         """Deletes the retired backups, those a killed process left too."""
@@ -168,7 +168,6 @@ class _Corrupt(Exception):
 # (measured: a synchronous save of 529 MB went from 1.45-1.50 s to 0.44-1.19 s with 1 MiB
 # instead of 64 MiB chunks).
 _CHUNK_BYTES = 1 << 20
-_BLOCK = 4096
 
 
 # From this size on, local state files are written past the page cache. Measured on the
@@ -178,8 +177,13 @@ _BLOCK = 4096
 _DIRECT_FROM_BYTES = 256 << 20
 
 
+def _is_local(path: str) -> bool:
+    """Whether `path` is on a local file system (no tf.io.gfile scheme like gs://)."""
+    return "://" not in path
+
+
 def _open_for_writing(path: str, size: int):
-    if "://" in path:
+    if not _is_local(path):
         return _GFileWriter(path)
     return DirectFile(path) if size >= _DIRECT_FROM_BYTES else open(path, "wb")
 

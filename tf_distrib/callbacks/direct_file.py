@@ -10,7 +10,7 @@ import numpy as np
 
 # O_DIRECT wants the memory address, the length and the file offset of each write
 # aligned to the device's logical block: 4096 covers 512- and 4096-byte blocks.
-_ALIGN = 4096
+ALIGN = 4096
 _STAGE_BYTES = 8 << 20
 
 
@@ -59,10 +59,10 @@ class DirectFile:
         the device as it is; the rest is copied through the staging buffer.
         """
         chunk = memoryview(chunk).cast("B")
-        if (self.direct and self._size % _ALIGN == 0 and len(chunk) >= _ALIGN
-                and np.frombuffer(chunk, np.uint8).ctypes.data % _ALIGN == 0):
+        if (self.direct and self._size % ALIGN == 0 and len(chunk) >= ALIGN
+                and np.frombuffer(chunk, np.uint8).ctypes.data % ALIGN == 0):
             self._flush()  # whole blocks: the last flush and this offset are aligned
-            whole = len(chunk) - len(chunk) % _ALIGN
+            whole = len(chunk) - len(chunk) % ALIGN
             self._write_all(chunk[:whole])
             self._size += whole
             chunk = chunk[whole:]
@@ -80,8 +80,8 @@ class DirectFile:
         if self._fd < 0:
             return
         try:
-            if self.direct and self._filled % _ALIGN:
-                padded = -(-self._filled // _ALIGN) * _ALIGN
+            if self.direct and self._filled % ALIGN:
+                padded = -(-self._filled // ALIGN) * ALIGN
                 self._stage[self._filled:padded] = bytes(padded - self._filled)
                 self._filled = padded
                 self._flush()

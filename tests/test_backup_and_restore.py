@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import warnings
 
@@ -412,6 +413,37 @@ def test_host_snapshot_memory_is_faulted_in_before_the_first_copy():
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     snapshot.copy([("state", state)])
     assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults < 1024
+
+
+def _join_release_threads():
+    for thread in threading.enumerate():
+        if thread.name == "tf_distrib-release":
+            thread.join(10)
+
+
+def test_a_released_snapshot_lends_its_memory_to_the_next_one():
+    host_snapshot = td.callbacks.host_snapshot
+    state = np.arange(64 << 20, dtype=np.uint8)  # 16384 pages
+    first = host_snapshot.HostSnapshot(threads=1)
+    address = first.copy([("state", state)])[0][1].ctypes.data
+    first.release()
+    _join_release_threads()
+
+    second = host_snapshot.HostSnapshot(threads=1)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    second.allocate([("half", (32 << 20,), np.uint8)])  # fits in the lent block
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults < 1024
+    half = state[32 << 20:]
+    copy = second.copy([("half", half)])[0][1]
+    assert copy.ctypes.data == address
+    np.testing.assert_array_equal(copy, half)
+    second.release()
+    _join_release_threads()
+
+    larger = host_snapshot.HostSnapshot(threads=1)
+    larger = larger.copy([("state", state), ("more", half)])  # more than lent: maps anew
+    np.testing.assert_array_equal(larger[0][1], state)
+    np.testing.assert_array_equal(larger[1][1], half)
 
 
 def test_host_memory_is_mapped_after_the_first_step_and_every_save_reuses_it(tmp_path):

@@ -13,9 +13,10 @@ Two measurements, each in the same run as the `fit` without backups it is compar
   training thread spends in the callback per save (for the asynchronous save: copying
   the state into host memory kept from one save to the next, and waiting for the
   previous save if it still runs); "fit overhead" is the whole cost against `fit`
-  without backups, which for the asynchronous save includes mapping that memory once
-  per `fit` and the background work (checksum, writes) that shares the cores and the
-  memory bus with training.
+  without backups, which for the asynchronous save includes taking that memory (mapped
+  by the process's first asynchronous `fit`, the first round's, and lent by each `fit`
+  to the next) and the background work (checksum, writes) that shares the cores and
+  the memory bus with training.
 """
 
 from __future__ import annotations
@@ -42,10 +43,10 @@ def _fit_seconds(model, dataset, callbacks, repeats, steps=None):
         start = time.perf_counter()
         model.fit(dataset, epochs=1, verbose=0, callbacks=callbacks(), steps_per_epoch=steps)
         times.append(time.perf_counter() - start)
-        # What a callback left running after `fit` (deleting its backups, unmapping its
+        # What a callback left running after `fit` (deleting its backups, releasing its
         # host memory) must not slow the next run down.
         for thread in threading.enumerate():
-            if thread.name in ("tf_distrib-backup", "tf_distrib-unmap"):
+            if thread.name in ("tf_distrib-backup", "tf_distrib-release"):
                 thread.join(60)
     return statistics.median(times)
 

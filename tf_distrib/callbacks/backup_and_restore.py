@@ -28,11 +28,13 @@ class BackupAndRestore(keras.callbacks.Callback):
       sums them across workers) and only the chief writes it; all workers share one
       `backup_dir`.
     - **Asynchronous** (`async_save=True`): the training thread only copies the
-      state into host memory kept from one save to the next (one more copy of the
-      state in host memory while `fit` runs, mapped in the background after its
-      first step; 529 MB take about 0.03 s to copy); the checksum, the write (on a
-      local disk, past the page cache) and the atomic rename happen on a background
-      thread. At most one save is in flight: a save that comes due while the
+      state into host memory kept from one save to the next (529 MB take about
+      0.03 s); the checksum, the write (on a local disk, past the page cache) and
+      the atomic rename happen on a background thread. Host memory: one more copy
+      of the state, mapped in the background after the first step of the first
+      `fit`; after `fit` it stays with the process for the next `fit`, as memory the
+      kernel takes back whenever it needs it (MADV_FREE, where the platform has
+      it). At most one save is in flight: a save that comes due while the
       previous one is still being written waits for it (and says how long, when
       `verbose`). The end of `fit`, a preemption and the exit of the process wait
       for the backup in flight; a backup is listed only once it is complete.

@@ -61,12 +61,19 @@ def _worker(port: int, steps: int, batch: int, accumulation: int) -> float:
 
 def examples_per_sec(workers: int, steps: int = 60, batch: int = 128,
                      accumulation: int = 1) -> float:
-    """Global examples/s of `workers` pinned PyTorch processes, in one run."""
+    """Global examples/s of `workers` pinned PyTorch processes, in one run.
+
+    A run that fails is tried once more: now and then a gloo process aborts as it
+    exits ("terminate called without an active exception"), after it has measured.
+    """
     from tf_distrib.cluster import free_ports
     from tf_distrib.launch import launch
 
-    result = launch(_worker, workers, args=(free_ports(1)[0], steps, batch, accumulation),
-                    quiet=True, startup_timeout=None, timeout=600)
-    if result.exit_code:
-        raise RuntimeError(result.failure_report())
-    return result.values[0]
+    for attempt in range(2):
+        result = launch(_worker, workers, args=(free_ports(1)[0], steps, batch, accumulation),
+                        quiet=True, startup_timeout=None, timeout=600)
+        if not result.exit_code:
+            return result.values[0]
+        print(f"  (PyTorch run {attempt + 1} failed: {result.failure_report(lines=2)})",
+              flush=True)
+    raise RuntimeError(result.failure_report())

@@ -417,7 +417,7 @@ def test_host_snapshot_memory_is_faulted_in_before_the_first_copy():
 
 def _join_release_threads():
     for thread in threading.enumerate():
-        if thread.name == "tf_distrib-release":
+        if thread.name == td.callbacks.host_snapshot.RELEASE_THREAD_NAME:
             thread.join(10)
 
 

@@ -38,6 +38,8 @@ LARGE_STEPS, LARGE_SAVE_FREQ, LARGE_BATCH = 80, 20, 32
 
 
 def _fit_seconds(model, dataset, callbacks, repeats, steps=None):
+    from tf_distrib.callbacks import background_save, host_snapshot
+
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -46,7 +48,7 @@ def _fit_seconds(model, dataset, callbacks, repeats, steps=None):
         # What a callback left running after `fit` (deleting its backups, releasing its
         # host memory) must not slow the next run down.
         for thread in threading.enumerate():
-            if thread.name in ("tf_distrib-backup", "tf_distrib-release"):
+            if thread.name in (background_save.THREAD_NAME, host_snapshot.RELEASE_THREAD_NAME):
                 thread.join(60)
     return statistics.median(times)
 

@@ -11,6 +11,7 @@ import time
 EXIT_WAIT_SECONDS = 600.0
 # How long it waits before it says so (deleting backups at the end of fit takes ~0.1 s).
 _QUIET_EXIT_WAIT_SECONDS = 1.0
+THREAD_NAME = "tf_distrib-backup"
 
 
 class BackgroundSave:
@@ -40,7 +41,7 @@ class BackgroundSave:
         waited = self.wait()
         self.what = what
         self._thread = threading.Thread(target=self._run, args=(job,), daemon=True,
-                                        name="tf_distrib-backup")
+                                        name=THREAD_NAME)
         self._thread.start()
         return waited
 

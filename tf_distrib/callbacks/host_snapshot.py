@@ -19,6 +19,7 @@ _PAGE = mmap.PAGESIZE
 _MADV_FREE = getattr(mmap, "MADV_FREE", None)
 _spare: list[mmap.mmap] = []
 _spare_lock = threading.Lock()
+RELEASE_THREAD_NAME = "tf_distrib-release"
 
 
 class HostSnapshot:
@@ -105,7 +106,7 @@ class HostSnapshot:
         """
         block, self._block, self._layout, self._buffers = self._block, None, [], []
         if block is not None:  # 0.01-0.09 s: not on the training thread
-            threading.Thread(target=_lend, args=(block,), name="tf_distrib-release",
+            threading.Thread(target=_lend, args=(block,), name=RELEASE_THREAD_NAME,
                              daemon=True).start()
 
 
@@ -122,7 +123,10 @@ def _lend(block: mmap.mmap) -> None:
 
 
 def _borrow(size: int) -> mmap.mmap | None:
-    """The spare block when it holds `size` bytes (its pages past them stay lent)."""
+    """The spare block when it holds `size` bytes (its pages past them stay lent).
+
+    A smaller spare is dropped, which unmaps it.
+    """
     with _spare_lock:
         block = _spare.pop() if _spare else None
     return block if block is not None and len(block) >= size else None

@@ -20,3 +20,9 @@ def test_demo_survives_the_injected_failure_and_prints_the_summary():
     assert [r[0] for r in rows] == ["worker:0", "worker:1"]
     assert rows[0][3] == rows[1][3]  # identical final loss on both workers
     assert float(rows[0][4]) > 0.9   # accuracy
+    # The whole story (the kill, the culprit, the resume, the table) in a screenful.
+    console = (done.stdout + done.stderr).splitlines()
+    assert len(console) <= 30, "\n".join(console)
+    assert sum("root cause: worker 1 (attempt 0, signal SIGKILL)" in line
+               for line in console) == 1
+    assert not [line for line in console if "Traceback" in line or "oneDNN" in line]

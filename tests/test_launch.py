@@ -104,7 +104,8 @@ def test_worker_that_never_starts_tensorflow_fails_within_startup_timeout(tmp_pa
                     quiet=True)
     elapsed = time.monotonic() - start
     assert result.exit_code != 0
-    assert "did not start TensorFlow's server" in result.attempts[0].failure
+    assert "did not reach its first training step within startup_timeout=3 s (TensorFlow's " \
+        "server on 127.0.0.1:" in result.attempts[0].failure
     assert elapsed < 3 + 1 + 5
     pids = [int(p) for i in range(2) for p in (tmp_path / f"pids-{i}").read_text().split()]
     assert [w.pid for w in result.workers] == pids[::2]

@@ -110,18 +110,34 @@ def _KillWorker1OnFirstAttempt(step: int):
 
 
 def _prepare_quietly(data_dir: str) -> None:
-    """Builds the TFDS dataset once, before the workers start, without progress bars."""
+    """Builds the TFDS dataset once, before the workers start, without progress bars.
+
+    TensorFlow's start-up notices go to file descriptor 2 from C++, past Python's
+    sys.stderr: they are kept aside and shown only if the preparation fails.
+    """
     import contextlib
     import io
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import tensorflow_datasets as tfds
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as notices:
+        os.dup2(notices.fileno(), 2)
+        try:
+            import tensorflow_datasets as tfds
 
-    import tf_distrib.datasets
+            import tf_distrib.datasets
 
-    tfds.disable_progress_bar()
-    with contextlib.redirect_stdout(io.StringIO()):
-        tf_distrib.datasets.prepare(data_dir)
+            tfds.disable_progress_bar()
+            with contextlib.redirect_stdout(io.StringIO()):
+                tf_distrib.datasets.prepare(data_dir)
+        except BaseException:
+            os.dup2(saved, 2)
+            notices.seek(0)
+            sys.stderr.write(notices.read().decode(errors="replace"))
+            raise
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
     print(f"dataset: tf_distrib_blobs (TFDS, generated locally) in {data_dir}", flush=True)
 
 

@@ -26,7 +26,7 @@ import warnings
 
 import tensorflow as tf
 
-from tf_distrib import _compat, _malloc, contract, cross_device, optimizer_hooks
+from tf_distrib import _compat, _malloc, contract, cross_device, optimizer_hooks, phases
 from tf_distrib import cluster as cluster_lib
 from tf_distrib import transport as transport_lib
 from tf_distrib import watchdog as watchdog_lib
@@ -137,6 +137,9 @@ class KerasMultiWorkerMirroredStrategy(_KeepsStepBuffers,
     _steps = None  # steps run, counted inside each step's graph for the watchdog
 
     def run(self, fn, args=(), kwargs=None, options=None):
+        # The first step is being traced. Without a watchdog nobody sees it finish: start-up
+        # ends here then.
+        phases.enter(phases.FIRST_STEP if self.watchdog is not None else phases.TRAINING)
         result = super().run(fn, args=args, kwargs=kwargs, options=options)
         if self._steps is not None:
             with tf.control_dependencies(tf.nest.flatten(result, expand_composites=True)):
@@ -315,11 +318,16 @@ def make_strategy(cross_device_ops: tf.distribute.CrossDeviceOps | None = None, 
                 "multi-worker runs; compression= and bucket_bytes= apply to its gradients."
             )
         spec.check_roles_for("MultiWorkerMirroredStrategy")
+        phases.enter(phases.CLUSTER)
         strategy = _multi_worker_strategy(spec, communication_timeout, startup_timeout)
+        phases.enter(phases.TRANSPORT)
         # Coordination-service keys of this strategy: every worker makes its strategies
         # in the same order, so the count agrees.
         keys = f"tf_distrib/{next(_MULTI_WORKER_STRATEGIES)}"
-        strategy.transport = _connect_transport(strategy, spec, transport, startup_timeout,
+        # Every worker has just passed the cluster rendezvous: joining the transport's
+        # takes a healthy one well under a second, so the hang timeout bounds it too.
+        strategy.transport = _connect_transport(strategy, spec, transport,
+                                                min(startup_timeout, hang_timeout),
                                                 communication_timeout, f"{keys}/transport")
         reduce = None
         if strategy.transport is not None or compression is not None or bucket_bytes is not None:
@@ -328,6 +336,7 @@ def make_strategy(cross_device_ops: tf.distribute.CrossDeviceOps | None = None, 
         if hang_timeout != math.inf:
             strategy.start_watchdog(f"{spec.task_type}:{spec.task_index}", hang_timeout,
                                     f"{keys}/hang")
+        phases.enter(phases.BUILDING)
         return strategy
 
     gpus = tf.config.list_logical_devices("GPU")
@@ -350,7 +359,7 @@ def make_strategy(cross_device_ops: tf.distribute.CrossDeviceOps | None = None, 
     return strategy
 
 
-def _connect_transport(strategy, spec, mode, startup_timeout, communication_timeout, prefix):
+def _connect_transport(strategy, spec, mode, connect_timeout, communication_timeout, prefix):
     """tf_distrib's transport for this worker's gradients, or None for TF's collective."""
     local = len(strategy.extended.worker_devices)
     gpus = bool(tf.config.list_physical_devices("GPU"))
@@ -368,7 +377,7 @@ def _connect_transport(strategy, spec, mode, startup_timeout, communication_time
             tasks.index(f"{spec.task_type}:{spec.task_index}"), tasks,
             spec.address.rpartition(":")[0], transport_lib.CoordinationServiceStore(),
             secret=secret.encode() if secret else None, mode="auto" if mode == "auto" else mode,
-            timeout=min(startup_timeout, transport_lib.DEFAULT_CONNECT_TIMEOUT),
+            timeout=min(connect_timeout, transport_lib.DEFAULT_CONNECT_TIMEOUT),
             peer_timeout=communication_timeout or transport_lib.DEFAULT_PEER_TIMEOUT,
             prefix=prefix)
     except transport_lib.TransportUnavailable as e:

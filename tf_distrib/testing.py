@@ -51,7 +51,8 @@ def run_workers(target: str | Callable, num_workers: int = 2, *, args: Sequence 
         kwargs: Keyword arguments of the function. Defaults to None.
         timeout: Hard limit in seconds for the whole run: unlike `launch()`, a test
             must always end. Defaults to 300.
-        startup_timeout: Seconds each worker may take to start TensorFlow's server
+        startup_timeout: Seconds each worker may take to reach its first training
+            step, or to start TensorFlow's server when it does not use `make_strategy`
             (None: no check, for targets that never start one). Defaults to the
             launcher's default, 300.
         env: Extra environment variables. Defaults to None.

@@ -32,7 +32,7 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from tf_distrib import contract
+from tf_distrib import contract, phases
 
 if TYPE_CHECKING:
     from tf_distrib.transport import Transport
@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 DEFAULT_HANG_TIMEOUT = 600.0
 # Steps the flight recorder remembers.
 RECORDED_STEPS = 32
+# Seconds between reads of the step count until the first step finishes.
+_FIRST_STEP_POLL = 0.05
 
 _active: Watchdog | None = None
 # A frame of TensorFlow running a tf.function (Keras' train, test and predict steps).
@@ -85,6 +87,8 @@ class Watchdog:
     def _observe(self) -> None:
         steps = self._progress()
         if steps != self.steps:
+            if not self.steps:
+                phases.enter(phases.TRAINING)
             self.steps, self.last_step_at = steps, time.time()
             self._recent.append((steps, self.last_step_at))
 
@@ -103,9 +107,13 @@ class Watchdog:
 
     def _watch(self) -> None:
         interval = min(1.0, self.timeout / 10)
-        while not self._stopped.wait(interval):
+        # Until the first step finishes, often: the launcher names the phase a stopped
+        # worker is in from what this thread reports (`tf_distrib.phases`).
+        wait = _FIRST_STEP_POLL
+        while not self._stopped.wait(wait):
             self._observe()
-            told = self._told_by_peer(interval)
+            wait = interval if self.steps else _FIRST_STEP_POLL
+            told = self._told_by_peer(wait)
             if told is not None:
                 self._fire(f"{told} reported a hang")
                 return

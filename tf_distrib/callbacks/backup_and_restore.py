@@ -6,7 +6,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_distrib import _compat, watchdog
+from tf_distrib import _compat, phases, watchdog
 from tf_distrib._checks import check_int, is_int
 from tf_distrib.callbacks.background_save import BackgroundSave
 from tf_distrib.callbacks.backup_store import BackupStore
@@ -127,30 +127,34 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._global_step = self._epoch = self._step_in_epoch = self._skip = 0
         self._skipped_last_call = self._save_due = False
         self.restored_step = self._saved_step = None
-        restored = self._store.read_latest()
-        if restored is not None:
-            manifest, arrays = restored
-            meta = manifest["metadata"]
-            epoch, step = meta["epoch"], meta["step_in_epoch"]
-            if step and meta.get("steps_per_epoch") and step >= meta["steps_per_epoch"]:
-                epoch, step = epoch + 1, 0
-            # fit() reads this right after on_train_begin to choose its first epoch.
-            _compat.set_initial_epoch(self.model, epoch)
-            self._global_step = self.restored_step = self._saved_step = manifest["step"]
-            deferred = ["metrics"] if step else []
-            if self.model.built:
-                if not self.model.optimizer.built:
-                    self.model.optimizer.build(self.model.trainable_variables)
-                self._assign(manifest, arrays, ["model", "optimizer"])
-            else:
-                deferred = ["model", "optimizer"] + deferred
-            self._wrap_train_function(manifest, arrays, step, deferred)
-            if self.verbose:
-                print(f"BackupAndRestore: resuming from step {manifest['step']} "
-                      f"(epoch {epoch}, step {step} within it)", flush=True)
+        with phases.entered(phases.RESTORING):
+            restored = self._store.read_latest()
+            if restored is not None:
+                self._restore(*restored)
         if self.save_before_preemption:
             self._preemption = PreemptionWatcher(multi_worker=_is_multi_worker(strategy),
                                                  model=self.model)
+
+    def _restore(self, manifest, arrays):
+        """Resumes from a backup: fit's first epoch now, the state now or at the first step."""
+        meta = manifest["metadata"]
+        epoch, step = meta["epoch"], meta["step_in_epoch"]
+        if step and meta.get("steps_per_epoch") and step >= meta["steps_per_epoch"]:
+            epoch, step = epoch + 1, 0
+        # fit() reads this right after on_train_begin to choose its first epoch.
+        _compat.set_initial_epoch(self.model, epoch)
+        self._global_step = self.restored_step = self._saved_step = manifest["step"]
+        deferred = ["metrics"] if step else []
+        if self.model.built:
+            if not self.model.optimizer.built:
+                self.model.optimizer.build(self.model.trainable_variables)
+            self._assign(manifest, arrays, ["model", "optimizer"])
+        else:
+            deferred = ["model", "optimizer"] + deferred
+        self._wrap_train_function(manifest, arrays, step, deferred)
+        if self.verbose:
+            print(f"BackupAndRestore: resuming from step {manifest['step']} "
+                  f"(epoch {epoch}, step {step} within it)", flush=True)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch

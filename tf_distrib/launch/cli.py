@@ -44,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=int,
                    help=f"restarts after failures (default {DEFAULTS.max_restarts})")
     p.add_argument("--startup-timeout", type=float,
-                   help="seconds for each worker to start TensorFlow's server (default "
+                   help="seconds for each worker to reach its first training step (default "
                         f"{DEFAULTS.startup_timeout:g}; 0 disables the check)")
     p.add_argument("--hang-timeout", type=float,
                    help="seconds without a finished training step before the workers' "
@@ -60,6 +60,11 @@ def _parser() -> argparse.ArgumentParser:
                         f"(default {DEFAULTS.grace_period:g})")
     p.add_argument("--timeout", type=float, help="limit for the whole launch in seconds")
     p.add_argument("--summary-file", help="write a JSON summary of the attempts here")
+    p.add_argument("--log-dir", help="directory for every worker's complete output, one file "
+                                     "per worker and attempt (default: a new temporary one)")
+    p.add_argument("--verbose", action="store_true", default=None,
+                   help="show every line of every worker, TensorFlow's start-up notices and "
+                        "repeated lines included (also TF_DISTRIB_VERBOSE=1)")
     p.add_argument("--config", help="job file (YAML or JSON); flags override it")
     p.add_argument("--hosts", help="static multi-host launch: comma-separated host[:port] "
                                    "list, identical on every host")
@@ -91,6 +96,7 @@ def _job_from_args(options) -> JobConfig:
         "base_port": options.base_port, "script": options.script, "module": options.module,
         "min_hosts": options.min_hosts, "rendezvous_timeout": options.rendezvous_timeout,
         "slot_failures": options.slot_failures, "rejoin_interval": options.rejoin_interval,
+        "log_dir": options.log_dir, "verbose": options.verbose,
     }
     if options.num_workers is not None:
         overrides["min_workers"], overrides["num_workers"] = parse_worker_range(
@@ -120,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                         hosts=job.hosts, host_index=job.host_index, base_port=job.base_port,
                         min_hosts=job.min_hosts, rendezvous_timeout=job.rendezvous_timeout,
                         slot_failures=job.slot_failures,
-                        rejoin_interval=job.rejoin_interval)
+                        rejoin_interval=job.rejoin_interval, log_dir=job.log_dir,
+                        verbose=job.verbose)
     except LaunchError as e:
         print(f"tf-distrib launch: error: {e}", file=sys.stderr)
         return 2

@@ -49,6 +49,8 @@ class JobConfig:
     slot_failures: int = 2
     rejoin_interval: float = 600.0
     summary_file: str | None = None
+    log_dir: str | None = None
+    verbose: bool = False
 
     @property
     def target(self) -> str | list[str]:
@@ -131,12 +133,14 @@ def _check_types(data: dict, path: str) -> None:
                 "hang_timeout": seconds, "grace_period": seconds, "timeout": seconds,
                 "env": dict, "hosts": list, "host_index": int, "base_port": int,
                 "min_hosts": int, "rendezvous_timeout": seconds, "slot_failures": int,
-                "rejoin_interval": seconds, "summary_file": str}
+                "rejoin_interval": seconds, "summary_file": str, "log_dir": str,
+                "verbose": bool}
     for key, value in data.items():
         if value is None and key in ("startup_timeout", "hang_timeout", "timeout", "hosts",
                                      "script", "module", "summary_file", "min_workers",
-                                     "min_hosts"):
+                                     "min_hosts", "log_dir"):
             continue
-        if isinstance(value, bool) or not isinstance(value, expected[key]):
+        if (isinstance(value, bool) != (expected[key] is bool)
+                or not isinstance(value, expected[key])):
             raise LaunchError(f"Job file {path!r}: '{key}' has the wrong type "
                               f"({type(value).__name__}: {value!r}).")

@@ -29,16 +29,20 @@ from tf_distrib.contract import (
     HUNG_EXIT_CODE,
     PREEMPTED_EXIT_CODE,
 )
+from tf_distrib.launch import console as console_lib
 from tf_distrib.launch import membership, reports, targets
 from tf_distrib.launch import rendezvous as rendezvous_lib
 from tf_distrib.launch.errors import LaunchError
 from tf_distrib.launch.job import DEFAULTS
+from tf_distrib.launch.liveness import Liveness
 from tf_distrib.launch.process_group import ProcessGroup
 
 _POLL_SECONDS = 0.1
 # Exit statuses after which the other workers stop on their own, and how long they may take.
 _PEERS_FOLLOW = (PREEMPTED_EXIT_CODE, HUNG_EXIT_CODE)
 _PEERS_FOLLOW_SECONDS = 15.0
+# Lines of the failed worker's output in the root-cause block.
+_ROOT_CAUSE_LINES = 5
 
 
 @dataclasses.dataclass
@@ -51,6 +55,7 @@ class WorkerResult:
         exit_code: Its exit status; negative when a signal ended it (-9: SIGKILL).
         output: The last lines it printed (stdout and stderr, in arrival order).
         value: What a function target returned; None for scripts.
+        log_path: The file with everything it printed. Defaults to None.
     """
 
     index: int
@@ -58,6 +63,7 @@ class WorkerResult:
     exit_code: int
     output: list[str]
     value: Any = None
+    log_path: str | None = None
 
     @property
     def status(self) -> str:
@@ -152,6 +158,7 @@ def launch(target: str | Sequence[str] | Callable, num_workers: int, *,
            rendezvous_timeout: float = DEFAULTS.rendezvous_timeout,
            slot_failures: int = DEFAULTS.slot_failures,
            rejoin_interval: float = DEFAULTS.rejoin_interval,
+           log_dir: str | None = DEFAULTS.log_dir, verbose: bool = DEFAULTS.verbose,
            quiet: bool = False) -> LaunchResult:
     """Runs `target` on `num_workers` worker processes with TF_CONFIG; restarts on failure.
 
@@ -159,11 +166,15 @@ def launch(target: str | Sequence[str] | Callable, num_workers: int, *,
     `tf_distrib.contract`: TF_DISTRIB_WORKER_INDEX, TF_DISTRIB_NUM_WORKERS,
     TF_DISTRIB_ATTEMPT, TF_DISTRIB_MAX_RESTARTS, TF_DISTRIB_STARTUP_TIMEOUT,
     TF_DISTRIB_HANG_TIMEOUT, TF_DISTRIB_SECRET (a new random secret per launch, for the
-    gradient transport's connections) and TF_DISTRIB_REPORT_DIR. Output is streamed
-    line by line with a "[worker i] " prefix. When a worker exits non-zero, the whole
+    gradient transport's connections) and TF_DISTRIB_REPORT_DIR. Each worker's complete
+    output goes to `log_dir`/attempt-N/worker-I.log; the console shows it condensed,
+    line by line with a "[worker i] " prefix (`tf_distrib.launch.console`), and a
+    failed attempt ends with a root-cause block. When a worker exits non-zero, the whole
     group is stopped (SIGTERM, then SIGKILL after `grace_period`) and started again
     while restarts remain; the workers' flight-recorder reports name the ones that
-    stopped first (`Attempt.stopped_first`).
+    stopped first (`Attempt.stopped_first`). A worker whose process stays stopped
+    (SIGSTOP, a paused container) for 5 s fails the attempt in any phase, named with
+    the phase (`tf_distrib.launch.liveness`).
 
     Elastic launches (`min_workers`, or `min_hosts` with `hosts`) go on with fewer
     workers when some cannot: see `tf_distrib.launch.membership` and
@@ -184,10 +195,12 @@ def launch(target: str | Sequence[str] | Callable, num_workers: int, *,
             that fails `slot_failures` attempts in a row is dropped while at least this
             many remain. Defaults to None: `num_workers` (not elastic).
         max_restarts: How many times to restart the group after a failure. Defaults to 0.
-        startup_timeout: Seconds a worker may take to start its TensorFlow server
-            (listen on its TF_CONFIG port) unless it exits first; a worker that does
-            not counts as failed. None disables the check (for targets that never
-            start TensorFlow's server). Defaults to 300.
+        startup_timeout: Seconds a worker may take from its start to its first
+            training step (the phases it reports, `tf_distrib.phases`; a target that
+            does not use `make_strategy` only has to start TensorFlow's server on its
+            TF_CONFIG port) unless it exits first; the worker furthest behind counts
+            as failed, named with its phase. None disables the check (for targets that
+            never start TensorFlow's server). Defaults to 300.
         hang_timeout: Seconds without a finished step after which workers' watchdogs
             stop them (TF_DISTRIB_HANG_TIMEOUT). Defaults to None: the strategy's
             default, 600.
@@ -213,8 +226,14 @@ def launch(target: str | Sequence[str] | Callable, num_workers: int, *,
         rejoin_interval: Seconds before a dropped slot is tried again; a smaller group
             that runs this long is stopped as on preemption so that it can grow back.
             Defaults to 600.
-        quiet: Keep workers' output only in the results instead of streaming it to
-            this process's stdout/stderr. Defaults to False.
+        log_dir: Where every worker's complete output goes, one file per worker and
+            attempt. Defaults to None: a new directory under the system's temporary
+            directory, printed at the start.
+        verbose: Show every line of every worker on the console, TensorFlow's
+            start-up notices and repeated lines included. Defaults to False (or
+            TF_DISTRIB_VERBOSE=1).
+        quiet: Keep workers' output only in the results and log files instead of
+            streaming it to this process's stdout/stderr. Defaults to False.
 
     Returns:
         A `LaunchResult`.
@@ -241,6 +260,12 @@ def launch(target: str | Sequence[str] | Callable, num_workers: int, *,
                        grace_period, timeout, hosts, host_index, base_port, min_hosts,
                        slot_failures)
     stdout, stderr = (None, None) if quiet else (sys.stdout, sys.stderr)
+    verbose = verbose or os.environ.get(console_lib.ENV_VERBOSE) == "1"
+    log_dir = log_dir or tempfile.mkdtemp(prefix=time.strftime("tf_distrib_logs_%Y%m%d-%H%M%S_"))
+    os.makedirs(log_dir, exist_ok=True)
+    _say(stderr, f"every worker's full output: {log_dir}"
+         + ("" if verbose else " (TensorFlow's start-up notices and repeated lines are "
+                               "condensed here; --verbose shows all)"))
     with tempfile.TemporaryDirectory(prefix="tf_distrib_launch_") as workdir:
         reports_dir = os.path.join(workdir, "reports")
         os.makedirs(reports_dir)
@@ -255,10 +280,11 @@ def launch(target: str | Sequence[str] | Callable, num_workers: int, *,
                 target=targets.resolve(target, args, kwargs, workdir), workdir=workdir,
                 reports_dir=reports_dir, num_workers=num_workers,
                 max_restarts=max_restarts, startup_timeout=startup_timeout,
-                grace_period=grace_period,
+                hang_timeout=hang_timeout, grace_period=grace_period,
                 deadline=None if timeout is None else time.monotonic() + timeout,
                 env=worker_env, host=host, hosts=hosts, host_index=host_index,
-                base_port=base_port, stop=stop, stdout=stdout, stderr=stderr)
+                base_port=base_port, stop=stop, stdout=stdout, stderr=stderr, log_dir=log_dir,
+                verbose=verbose)
             slots = membership.Slots(num_workers, min_workers, slot_failures, rejoin_interval)
             return _attempts(group, slots, rendezvous, stderr)
 
@@ -361,6 +387,7 @@ class _Group:
     num_workers: int
     max_restarts: int
     startup_timeout: float | None
+    hang_timeout: float | None
     grace_period: float
     deadline: float | None
     env: dict
@@ -371,6 +398,8 @@ class _Group:
     stop: _StopSignals
     stdout: object
     stderr: object
+    log_dir: str
+    verbose: bool
 
 
 class _Rendezvous:
@@ -468,46 +497,52 @@ def _run_attempt(group: _Group, number: int, members: list[int], regrow) -> Atte
         path = os.path.join(group.workdir, f"result-{number}-{i}.pkl")
         result_paths.append(path)
         commands.append((group.target.command(path), worker_env))
-    ports = [int(c["cluster"]["worker"][c["task"]["index"]].rpartition(":")[2]) for c in configs]
-
-    prefixes = [f"[worker {first + i}] " for i in range(len(configs))]
-    processes = ProcessGroup(commands, prefixes, stdout=group.stdout, stderr=group.stderr)
+    attempt_dir = os.path.join(group.log_dir, f"attempt-{number}")
+    os.makedirs(attempt_dir, exist_ok=True)
+    processes = ProcessGroup(
+        commands, console_lib.Console([first + i for i in range(len(configs))], group.stdout,
+                          group.stderr, verbose=group.verbose),
+        [os.path.join(attempt_dir, f"worker-{first + i}.log") for i in range(len(configs))])
+    liveness = Liveness([w.pid for w in processes.workers], first, group.reports_dir, number,
+                        [c["cluster"]["worker"][c["task"]["index"]] for c in configs],
+                        group.startup_timeout if total > 1 else None, group.hang_timeout,
+                        sees_every_worker=group.hosts is None)
     failure = failed = None
     planned = False
     started = time.monotonic()
-    # A worker alone in its cluster starts no TensorFlow server: nothing to wait for.
-    joined = [group.startup_timeout is None or total == 1] * len(configs)
     while failure is None:
         codes = processes.returncodes()
         bad = [i for i, c in enumerate(codes) if c not in (None, 0)]
+        stall = liveness.check(codes)
         if bad:
+            # A worker that failed while a peer was stopped failed because of it.
+            stall = stall or liveness.stopped_now()
             failed = bad[0]
             failure = f"worker {first + failed} failed with " + _status(codes[failed])
             if codes[failed] in EXIT_CODES:
                 failure += f" ({EXIT_CODES[codes[failed]]})"
+            if stall is not None and stall.worker != failed:
+                failure = f"{stall.failure}; then {failure}"
+                failed = stall.worker
+        elif stall is not None:
+            failed, failure = stall.worker, stall.failure
         elif all(c == 0 for c in codes):
             break
         elif group.stop.signum is not None:
             failure = f"launcher received {signal.Signals(group.stop.signum).name}"
         elif group.deadline is not None and time.monotonic() >= group.deadline:
             failure = "the launch timed out"
-        elif regrow is not None and all(joined) and regrow():
+        elif regrow is not None and liveness.started and regrow():
             failure, planned = "stopped by the launcher so that the group can grow back", True
             # As on preemption: BackupAndRestore saves at one step on every worker.
             for worker in processes.workers:
                 worker.signal(signal.SIGTERM)
-        elif group.startup_timeout is not None and not all(joined):
-            for i in range(len(configs)):
-                joined[i] = (joined[i] or codes[i] is not None or cluster_lib.is_listening(
-                    f"{group.host}:{ports[i]}", timeout=0.2))
-            if not all(joined) and time.monotonic() - started > group.startup_timeout:
-                failed = joined.index(False)
-                failure = (f"worker {first + failed} did not start TensorFlow's server on "
-                           f"port {ports[failed]} within "
-                           f"startup_timeout={group.startup_timeout:g} s")
         if failure is None:
             time.sleep(_POLL_SECONDS)
-    if planned or (failed is not None and processes.returncodes()[failed] in _PEERS_FOLLOW):
+    if stall is not None:
+        # Stopped or stalled: it cannot save or report; the others need not wait for it.
+        processes.workers[failed].signal(signal.SIGKILL)
+    elif planned or (failed is not None and processes.returncodes()[failed] in _PEERS_FOLLOW):
         # Peers save at the same step (preemption) or write their flight-recorder
         # reports (hang) and exit on their own: give them time to.
         deadline = time.monotonic() + max(group.grace_period, _PEERS_FOLLOW_SECONDS)
@@ -518,19 +553,37 @@ def _run_attempt(group: _Group, number: int, members: list[int], regrow) -> Atte
                for i, w in enumerate(processes.workers)]
     attempt = Attempt(number, workers, failure, failed, members=members, planned=planned,
                       seconds=time.monotonic() - started)
-    if failure is not None and not planned:
+    if stall is not None:
+        attempt.stopped_first = [failed]
+    elif failure is not None and not planned:
         found = reports.read(group.reports_dir, number)
         culprits = [i - first for i in reports.stopped_first(found)
                     if first <= i < first + len(workers)]
         if found and culprits:
             attempt.stopped_first = culprits
             attempt.failure += "; " + reports.describe(found, [first + i for i in culprits])
+    if failure is not None and not planned:
+        _say_root_cause(group.stderr, attempt, first)
     return attempt
+
+
+def _say_root_cause(stderr, attempt: Attempt, first: int) -> None:
+    """The block that ends a failed attempt: who failed first, how, its last lines."""
+    culprit = (attempt.stopped_first or [attempt.failed_worker])[0]
+    if culprit is None:
+        return
+    worker = attempt.workers[culprit]
+    tail = [line for line in worker.output if not console_lib.NOISE.search(line)]
+    tail = tail[-_ROOT_CAUSE_LINES:]
+    _say(stderr, f"root cause: worker {first + culprit} (attempt {attempt.number}, "
+                 f"{worker.status}); its last {len(tail)} line(s), all in {worker.log_path}:"
+         + "".join(f"\n[launcher]   | {line.rstrip()}" for line in tail))
 
 
 def _worker_result(index, worker, result_path, resolved) -> WorkerResult:
     value = targets.read_result(result_path) if resolved.is_function else None
-    return WorkerResult(index, worker.pid, worker.returncode, list(worker.output), value)
+    return WorkerResult(index, worker.pid, worker.returncode, list(worker.output), value,
+                        worker.log_path)
 
 
 def _status(code: int) -> str:

@@ -1,4 +1,4 @@
-"""A group of worker processes: start, stream prefixed output, stop without orphans."""
+"""A group of worker processes: start, log and show their output, stop without orphans."""
 
 from __future__ import annotations
 
@@ -10,37 +10,27 @@ import threading
 import time
 from collections.abc import Sequence
 
+from tf_distrib.launch.console import Console
+
 # Lines kept per worker for error messages and results.
 TAIL_LINES = 2000
 
 
-class _Sink:
-    """Writes whole prefixed lines from many threads without interleaving them."""
-
-    def __init__(self, stdout, stderr):
-        self._streams = {"stdout": stdout, "stderr": stderr}
-        self._lock = threading.Lock()
-
-    def write(self, stream: str, line: str) -> None:
-        target = self._streams[stream]
-        if target is None:
-            return
-        with self._lock:
-            target.write(line)
-            target.flush()
-
-
 class WorkerProcess:
-    """One worker: its process, a tail of its output and how it ended."""
+    """One worker: its process, its log file, a tail of its output and how it ended."""
 
-    def __init__(self, index: int, argv: Sequence[str], env: dict, sink: _Sink, prefix: str):
-        self.index = index
+    def __init__(self, index: int, argv: Sequence[str], env: dict, console: Console,
+                 log_path: str):
+        self.index, self.log_path = index, log_path
         self.output: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
-        self._sink, self._prefix = sink, prefix
+        self._console = console
         # A session of its own, so that stopping it also stops whatever it started.
         self.process = subprocess.Popen(
             list(argv), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, start_new_session=True)
+        self._log = open(log_path, "a", encoding="utf-8")  # noqa: SIM115 (closed by its pumps)
+        self._log_lock = threading.Lock()
+        self._open_pipes = 2
         self._readers = [threading.Thread(target=self._pump, args=(pipe, name), daemon=True)
                          for pipe, name in ((self.process.stdout, "stdout"),
                                             (self.process.stderr, "stderr"))]
@@ -61,8 +51,15 @@ class WorkerProcess:
             if not line.endswith("\n"):
                 line += "\n"
             self.output.append(line)
-            self._sink.write(stream, self._prefix + line)
+            with self._log_lock:
+                self._log.write(line)
+                self._log.flush()
+            self._console.write(self.index, stream, line)
         pipe.close()
+        with self._log_lock:
+            self._open_pipes -= 1
+            if not self._open_pipes:
+                self._log.close()
 
     def signal(self, signum: int) -> None:
         if self.returncode is not None:
@@ -83,17 +80,18 @@ class ProcessGroup:
 
     Args:
         commands: One (argv, env) pair per worker.
-        prefixes: One line prefix per worker, e.g. "[worker 0] ".
-        stdout: Where prefixed stdout lines go; None keeps them only in the tail.
-        stderr: Likewise for stderr.
+        console: Shows the workers' lines (`tf_distrib.launch.console`); worker i of
+            `commands` writes to it as worker i.
+        log_paths: One file per worker that gets its complete output (stdout and
+            stderr in arrival order).
     """
 
-    def __init__(self, commands, prefixes: Sequence[str], *, stdout, stderr):
-        sink = _Sink(stdout, stderr)
+    def __init__(self, commands, console: Console, log_paths: Sequence[str]):
+        self.console = console
         self.workers: list[WorkerProcess] = []
         try:
-            for index, ((argv, env), prefix) in enumerate(zip(commands, prefixes, strict=True)):
-                self.workers.append(WorkerProcess(index, argv, env, sink, prefix))
+            for index, ((argv, env), path) in enumerate(zip(commands, log_paths, strict=True)):
+                self.workers.append(WorkerProcess(index, argv, env, console, path))
         except BaseException:
             self.stop(grace_period=0)
             raise
@@ -122,6 +120,7 @@ class ProcessGroup:
         for worker in self.workers:
             worker.process.wait()
             worker.finish_output()
+        self.console.close()
 
 
 def _kill_session(pid: int) -> None:

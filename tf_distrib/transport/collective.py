@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from tf_distrib import watchdog
+from tf_distrib import phases, watchdog
 from tf_distrib.transport.buffers import BufferPool, Layout
 from tf_distrib.transport.errors import PeerLostError, TransportError
 from tf_distrib.transport.mesh import Mesh, TransportUnavailable
@@ -134,6 +134,9 @@ class Transport:
                 self._stop(e)
                 raise
             record["ended"] = time.time()
+            if self.stats.collectives == 0:
+                # Every peer took part in a collective: start-up is over.
+                phases.enter(phases.TRAINING)
             self.stats.collectives += 1
             self.stats.bytes += layout.nbytes
             self.stats.seconds += time.perf_counter() - start

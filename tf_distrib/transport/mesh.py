@@ -66,8 +66,17 @@ class Mesh:
             published["error"] = (f"{tasks[rank]} cannot listen on its TF_CONFIG host {host!r} "
                                   f"({e.strerror or e})")
         store.set(f"{prefix}/{rank}", json.dumps(published))
-        self.infos = [json.loads(store.get(f"{prefix}/{r}", _left(deadline)))
-                      for r in range(len(tasks))]
+        self.infos = []
+        for r, task in enumerate(tasks):
+            try:
+                self.infos.append(json.loads(store.get(f"{prefix}/{r}", _left(deadline))))
+            except TimeoutError:
+                if listener is not None:
+                    listener.close()
+                raise TransportError(
+                    f"{tasks[rank]}: {task} did not join the transport's rendezvous within "
+                    f"{timeout:g} s (stopped, restarted or stuck before it); the hang "
+                    "timeout bounds this wait.") from None
         problems = [info["error"] for info in self.infos if "error" in info]
         if problems:
             if listener is not None:

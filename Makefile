@@ -5,9 +5,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
-FAST := not multiprocess and not slow and not gpu
+FAST := not multiprocess and not slow and not gpu and not slurm
 
-.PHONY: demo test test-fast bench docs notebooks gpu-check lint venv constraints
+.PHONY: demo test test-fast bench docs notebooks gpu-check lint venv constraints slurm-deps
 
 $(INSTALLED): setup.cfg pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,16 @@ test: $(INSTALLED)
 # In-process tests only: under 3 minutes.
 test-fast: $(INSTALLED)
 	$(PY) -m pytest -q -m "$(FAST)"
+
+# Debian's Slurm and munge for tests/test_slurm.py (a real slurmctld and slurmd); once.
+# Without root or apt-get the Slurm tests skip, naming what they need.
+slurm-deps:
+	@if command -v slurmctld >/dev/null && command -v slurmd >/dev/null \
+		&& command -v munged >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			slurm-wlm munge >/dev/null; \
+	else echo "slurm-deps: not root or no apt-get: the Slurm tests will skip"; fi
 
 bench: $(INSTALLED)
 	$(VENV)/bin/tf-distrib bench

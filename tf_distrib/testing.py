@@ -1,4 +1,5 @@
-"""Helpers for testing distributed code: real worker processes on 127.0.0.1.
+"""Helpers for testing distributed code: real worker processes, on 127.0.0.1 or on
+simulated hosts (`SimulatedHosts`: network namespaces with their own addresses).
 
 Example (in a pytest test):
 
@@ -20,8 +21,9 @@ from collections.abc import Callable, Mapping, Sequence
 
 from tf_distrib.launch import WorkerResult, launch
 from tf_distrib.launch.job import DEFAULTS
+from tf_distrib.simulated_hosts import SimulatedHosts
 
-__all__ = ["run_workers", "WorkersFailed"]
+__all__ = ["run_workers", "WorkersFailed", "SimulatedHosts"]
 
 
 class WorkersFailed(RuntimeError):

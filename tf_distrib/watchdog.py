@@ -146,8 +146,12 @@ class Watchdog:
             clock = time.strftime("%H:%M:%S", time.localtime(self.last_step_at))
             last = f"step {self.steps} at {clock}"
         main = self.report["stacks"].get("MainThread", [])
+        # Without a launcher to read the reports (srun, TFJob), the peers this worker
+        # waits for are the best evidence of who is stuck.
+        waiting = (self.report["transport"] or {}).get("waiting_for")
         sys.stderr.write(
-            f"tf_distrib watchdog: {self.task}: {cause} (last finished step: {last}); "
+            f"tf_distrib watchdog: {self.task}: {cause} (last finished step: {last}"
+            + (f"; waiting for {', '.join(waiting)}" if waiting else "") + "); "
             f"exiting with status {contract.HUNG_EXIT_CODE}."
             + (f" Flight recorder: {path}." if path else "") + "\n"
             + "".join(f"    {line}" for line in main[-6:]))

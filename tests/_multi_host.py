@@ -1,0 +1,54 @@
+"""The job the simulated-host tests run on every host: `python tests/_multi_host.py OUT ...`.
+
+Trains a small classifier under `make_strategy()` and writes its final weights to
+OUT/weights-<worker index>.npz (the hosts share this machine's file system).
+"""
+
+import argparse
+import os
+
+
+def train(epochs=2, backup_dir=None, communication_timeout=None, seed=1):
+    import keras
+    import tensorflow as tf
+
+    import tf_distrib as td
+    from tf_distrib.datasets import make_data
+
+    keras.utils.set_random_seed(seed)
+    tf.config.experimental.enable_op_determinism()
+    strategy = td.make_strategy(communication_timeout=communication_timeout)
+    x, y = make_data(2048)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
+                                  keras.layers.Dense(4)])
+        model.compile(keras.optimizers.SGD(0.05),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    dataset = td.data.distribute_dataset(strategy, tf.data.Dataset.from_tensor_slices((x, y)),
+                                         64)
+    callbacks = []
+    if backup_dir:
+        callbacks.append(td.callbacks.BackupAndRestore(backup_dir, save_freq=10,
+                                                       delete_checkpoint=False, verbose=1))
+    model.fit(dataset, epochs=epochs, verbose=0, callbacks=callbacks)
+    transport = getattr(strategy, "transport", None)
+    return [w.numpy() for w in model.weights], transport and transport.mode
+
+
+def main():
+    import numpy as np
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--backup-dir")
+    parser.add_argument("--communication-timeout", type=float)
+    args = parser.parse_args()
+    weights, mode = train(args.epochs, args.backup_dir, args.communication_timeout)
+    index = os.environ.get("TF_DISTRIB_WORKER_INDEX", "single")
+    np.savez(os.path.join(args.out, f"weights-{index}.npz"), *weights)
+    print(f"trained with transport {mode}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

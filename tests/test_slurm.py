@@ -1,0 +1,144 @@
+"""examples/train.sbatch under a real Slurm: trains, survives preemption, kills, requeues.
+
+One node ("localhost", 2 CPUs) runs both tasks: 2 workers through `srun`, as on a real
+cluster but without a second host (docs/scale_out.md says so).
+"""
+
+import glob
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests import _slurm
+from tf_distrib.cluster import free_ports
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slurm]
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EPOCHS = 4  # 64 steps an epoch; a backup every 50 steps
+HANG_TIMEOUT = 20
+DIGEST = re.compile(r"final weights sha256 ([0-9a-f]{64})")
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    why = _slurm.missing()
+    if why:
+        pytest.skip(f"needs {why}")
+    cluster = _slurm.Slurm(str(tmp_path_factory.mktemp("slurm")))
+    yield cluster
+    cluster.stop()
+    left = subprocess.run(["pgrep", "-a", "-f", cluster.dir], capture_output=True, text=True)
+    assert not left.stdout, f"Slurm processes left: {left.stdout}"
+    assert not subprocess.run(["pgrep", "-x", "slurmstepd"], capture_output=True).stdout
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """The digest of the same script under `tf-distrib launch -n 2`."""
+    run = tmp_path_factory.mktemp("launched")
+    done = subprocess.run(
+        [sys.executable, "-m", "tf_distrib.launch", "-n", "2", "--timeout", "300",
+         "examples/train.py", "--backup-dir", str(run / "backup"), "--model-dir",
+         str(run / "model"), "--epochs", str(EPOCHS)],
+        cwd=REPO, capture_output=True, text=True, timeout=330)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [digest] = set(DIGEST.findall(done.stdout))
+    return digest
+
+
+def _submit(slurm, shared, *sbatch_options):
+    env = {"SHARED": str(shared), "PATH": os.path.dirname(sys.executable) + os.pathsep
+           + os.environ["PATH"], "TF_DISTRIB_SLURM_PORT_BASE": str(free_ports(1)[0]),
+           "TF_DISTRIB_HANG_TIMEOUT": str(HANG_TIMEOUT), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    # The documented edits for one 2-CPU node: sbatch's own options override the script's.
+    return slurm.sbatch(["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1",
+                         "--open-mode=append", f"--output={shared}/job-%j.out",
+                         *sbatch_options, "examples/train.sbatch", "--epochs", str(EPOCHS)],
+                        cwd=REPO, env=env)
+
+
+def _output(shared, job_id) -> str:
+    with open(f"{shared}/job-{job_id}.out") as f:
+        return f.read()
+
+
+def _wait_for_backup(slurm, shared, job_id):
+    deadline = time.monotonic() + 240
+    while not glob.glob(f"{shared}/backup/backup-*/manifest.json"):
+        assert slurm.job(job_id)["JobState"] in ("PENDING", "RUNNING"), _output(shared, job_id)
+        assert time.monotonic() < deadline, _output(shared, job_id)
+        time.sleep(0.2)
+
+
+def _task_pids(slurm, job_id) -> dict[int, int]:
+    """Global task rank -> pid of the running step's tasks."""
+    pids = {}
+    deadline = time.monotonic() + 60
+    while len(pids) < 2:
+        assert time.monotonic() < deadline
+        for line in slurm.run(["scontrol", "listpids", str(job_id)]).stdout.splitlines()[1:]:
+            pid, _, step, _, rank = line.split()
+            if step != "batch" and rank != "-":
+                pids[int(rank)] = int(pid)
+        time.sleep(0.2)
+    return pids
+
+
+def _assert_finished_equal(slurm, shared, job_id, launched) -> str:
+    job = slurm.wait(job_id, 400)
+    out = _output(shared, job_id)
+    assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), out
+    assert DIGEST.findall(out)[-2:] == [launched, launched], out
+    return out
+
+
+def test_sbatch_trains_on_two_tasks_like_tf_distrib_launch(slurm, tmp_path, launched):
+    job_id = _submit(slurm, tmp_path)
+    out = _assert_finished_equal(slurm, tmp_path, job_id, launched)
+    assert "restarting from the last backup" not in out
+
+
+def test_a_preempted_job_saves_at_one_step_and_resumes_bitwise(slurm, tmp_path, launched):
+    job_id = _submit(slurm, tmp_path)
+    _wait_for_backup(slurm, tmp_path, job_id)
+    slurm.run(["scancel", "--signal=TERM", str(job_id)])
+    out = _assert_finished_equal(slurm, tmp_path, job_id, launched)
+    assert re.search(r"tasks? 0-1: Exited with exit code 42", out), out
+    assert "attempt 1 failed; restarting from the last backup" in out
+
+
+def test_a_requeued_job_resumes_from_its_backup_bitwise(slurm, tmp_path, launched):
+    job_id = _submit(slurm, tmp_path)
+    _wait_for_backup(slurm, tmp_path, job_id)
+    done = slurm.run(["scontrol", "requeue", str(job_id)])
+    assert done.returncode == 0, done.stderr
+    slurm.wait(job_id, 120, until=lambda job: job.get("Restarts") == "1")
+    _assert_finished_equal(slurm, tmp_path, job_id, launched)
+
+
+def test_a_task_killed_by_the_node_restarts_from_the_last_backup(slurm, tmp_path, launched):
+    job_id = _submit(slurm, tmp_path)
+    _wait_for_backup(slurm, tmp_path, job_id)
+    os.kill(_task_pids(slurm, job_id)[1], signal.SIGKILL)
+    out = _assert_finished_equal(slurm, tmp_path, job_id, launched)
+    assert "attempt 1 failed; restarting from the last backup" in out
+
+
+def test_a_stuck_task_is_named_within_the_hang_timeout(slurm, tmp_path, launched):
+    job_id = _submit(slurm, tmp_path)
+    _wait_for_backup(slurm, tmp_path, job_id)
+    os.kill(_task_pids(slurm, job_id)[1], signal.SIGSTOP)
+    stopped = time.monotonic()
+    deadline = stopped + HANG_TIMEOUT + 30
+    while "restarting from the last backup" not in _output(tmp_path, job_id):
+        assert time.monotonic() < deadline, _output(tmp_path, job_id)
+        time.sleep(0.2)
+    out = _assert_finished_equal(slurm, tmp_path, job_id, launched)
+    assert re.search(r"tf_distrib watchdog: worker:0: no step finished for 20 s \(last "
+                     r"finished step: step \d+ at [\d:]+; waiting for worker:1 \(", out), out

@@ -5,7 +5,8 @@ KILL_SIGNALS = {"SIGKILL": 9, "SIGTERM": 15}
 
 def train_with_backup(backup_dir, epochs=3, save_freq=10, kill_at=None, kill_worker=0,
                       kill_with="SIGKILL", logical_cpus=None, num_examples=1024,
-                      global_batch_size=32, slow_saves=None):
+                      global_batch_size=32, slow_saves=None, shuffle_buffer=None,
+                      repeat=False):
     """Trains with BackupAndRestore; on the launcher's first attempt, worker
     `kill_worker` kills itself after `kill_at` steps. Returns weights and counters.
 
@@ -38,7 +39,8 @@ def train_with_backup(backup_dir, epochs=3, save_freq=10, kill_at=None, kill_wor
                       keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=["accuracy"])
     dataset = td.data.distribute_dataset(strategy, tf.data.Dataset.from_tensor_slices((x, y)),
-                                         global_batch_size)
+                                         global_batch_size, shuffle_buffer=shuffle_buffer,
+                                         repeat=repeat)
     backup = td.callbacks.BackupAndRestore(backup_dir, save_freq=save_freq,
                                            delete_checkpoint=False)
     if slow_saves and os.environ.get("TF_DISTRIB_ATTEMPT", "0") == "0":
@@ -65,7 +67,8 @@ def train_with_backup(backup_dir, epochs=3, save_freq=10, kill_at=None, kill_wor
                     os.kill(os.getpid(), getattr(signal, kill_with))
 
         callbacks.append(Kill())
-    history = model.fit(dataset, epochs=epochs, verbose=0, callbacks=callbacks)
+    history = model.fit(dataset, epochs=epochs, verbose=0, callbacks=callbacks,
+                        steps_per_epoch=dataset.steps_per_epoch if repeat else None)
     return {"weights": [w.numpy() for w in model.weights],
             "strategy": type(strategy).__name__,
             "replicas": strategy.num_replicas_in_sync,

@@ -22,15 +22,17 @@ import dataclasses
 import glob as glob_lib
 import logging
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from tf_distrib import _compat, _input_stalls
 from tf_distrib._checks import check_int
 
 __all__ = ["distribute_dataset", "per_replica_batch_size", "shard_files",
-           "tfds_source", "TFDSSource", "SHARD_POLICIES"]
+           "tfds_source", "TFDSSource", "SHARD_POLICIES", "set_epoch"]
 
 SHARD_POLICIES = ("auto", "file", "data", "off")
 
@@ -180,8 +182,11 @@ def distribute_dataset(strategy: tf.distribute.Strategy,
         shard_policy: One of `SHARD_POLICIES`. Defaults to "auto".
         shuffle_buffer: Shuffle buffer size, or None not to shuffle. Defaults to None.
         seed: Shuffle seed. With "data" sharding it must be the same on every worker.
-            Defaults to None: `DEFAULT_SHARED_SEED` where pipelines must agree, random
-            otherwise.
+            Epoch e's order derives from (seed, e), so a resumed epoch (`set_epoch`,
+            which `BackupAndRestore` calls) reads its examples in the same order.
+            Defaults to None: `DEFAULT_SHARED_SEED` where pipelines must agree, else
+            drawn from numpy's global generator (`keras.utils.set_random_seed` fixes
+            it).
         drop_remainder: Drop the last partial global batch. False is allowed only with
             one replica: a partial batch can be neither split evenly between replicas
             nor agreed on by workers. Defaults to True.
@@ -235,16 +240,22 @@ def distribute_dataset(strategy: tf.distribute.Strategy,
             "drop_remainder=False). Repeat inside your "
             "dataset instead and pass steps_per_epoch to fit yourself.")
 
-    def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
+    if shuffle_buffer:
+        shared_order = plan.policy == "data" and pipelines > 1
+        if seed is None:
+            # Drawn from numpy's generator, so that keras.utils.set_random_seed makes it
+            # the same in a restarted process: a resumed epoch gets its order back.
+            seed = DEFAULT_SHARED_SEED if shared_order else int(np.random.randint(2**31))
+        order = _EpochOrder(seed)
+
+    def one_epoch(context, epoch=None) -> tf.data.Dataset:
         ds = plan.read(context)
         if not isinstance(ds, tf.data.Dataset):
             raise TypeError(f"The dataset function returned {type(ds).__name__}; it must "
                             "return an unbatched tf.data.Dataset.")
-        if shuffle_buffer:
-            shared_order = plan.policy == "data" and pipelines > 1
-            ds = ds.shuffle(shuffle_buffer,
-                            seed=DEFAULT_SHARED_SEED if seed is None and shared_order else seed,
-                            reshuffle_each_iteration=True)
+        if epoch is not None:
+            ds = ds.shuffle(shuffle_buffer, seed=order.seed(epoch),
+                            reshuffle_each_iteration=False)
         if plan.policy == "data" and pipelines > 1:
             # Example i of each global batch goes to pipeline i % P: global batch b is
             # examples bG .. bG+G-1 on every layout, and each pipeline batches only its own
@@ -254,8 +265,15 @@ def distribute_dataset(strategy: tf.distribute.Strategy,
         if plan.steps is not None:
             ds = ds.take(plan.steps * local)
             ds = ds.apply(tf.data.experimental.assert_cardinality(plan.steps * local))
-        if repeat:
-            ds = ds.repeat()
+        return ds
+
+    def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
+        if shuffle_buffer:
+            ds = order.epochs(repeat).flat_map(lambda epoch: one_epoch(context, epoch))
+        else:
+            ds = one_epoch(context)
+            if repeat:
+                ds = ds.repeat()
         ds = ds.prefetch(prefetch)
         return ds if autotune else _input_stalls.without_autotune(ds)
 
@@ -281,6 +299,58 @@ def distribute_dataset(strategy: tf.distribute.Strategy,
                   "(they do not fill a global batch of %d on every pipeline).",
                   plan.steps, plan.dropped, global_batch_size)
     return dataset
+
+
+def set_epoch(epoch: int) -> None:
+    """Tells every shuffling `distribute_dataset` of this process the epoch that starts.
+
+    An epoch's shuffle order is a function of the seed and the epoch's number, and an
+    iterator made now starts at `epoch` (with `repeat=True`, repetition k is epoch
+    `epoch` + k). `callbacks.BackupAndRestore` calls it at the start of every epoch, so
+    a resumed epoch reads its examples in the order the interrupted one did. Without
+    it, each new iterator takes the next epoch's order (as tf.data's reshuffling does).
+
+    Args:
+        epoch: The epoch that starts, >= 0.
+    """
+    check_int("epoch", epoch, minimum=0)
+    for order in list(_EpochOrder.live):
+        order.start = epoch
+
+
+class _EpochOrder:
+    """Numbers the epochs of one shuffling dataset: their orders derive from their numbers.
+
+    TensorFlow's `reshuffle_each_iteration` draws each order from how many iterators
+    the process made before, which a restarted process cannot reproduce (Keras makes
+    an extra iterator at the start of `fit`, prefetching reads ahead into the next
+    repetition). Here a new iterator starts at `start`, when set (`set_epoch`), or else
+    at the number of iterators made so far (read in Python, once per iterator).
+    """
+
+    live: weakref.WeakSet = weakref.WeakSet()
+
+    def __init__(self, seed: int):
+        self._seed = seed
+        self.start: int | None = None
+        self._made = 0
+        _EpochOrder.live.add(self)
+
+    def _first_epoch(self) -> int:
+        """The number of the first epoch of an iterator being made."""
+        first = self._made if self.start is None else self.start
+        self._made += 1
+        return first
+
+    def epochs(self, repeat: bool) -> tf.data.Dataset:
+        """One element per epoch of an iterator, its number; endless with `repeat`."""
+        first = tf.data.Dataset.from_tensors(0).map(
+            lambda _: tf.reshape(tf.py_function(self._first_epoch, [], tf.int64), []))
+        return first.flat_map(lambda e: tf.data.Dataset.range(e, e + (2**62 if repeat else 1)))
+
+    def seed(self, epoch: tf.Tensor) -> tf.Tensor:
+        # A prime stride keeps the (seed, epoch) -> order map one-to-one in practice.
+        return tf.constant(self._seed, tf.int64) * 1_000_003 + epoch
 
 
 @dataclasses.dataclass

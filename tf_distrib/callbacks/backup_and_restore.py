@@ -6,7 +6,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_distrib import _compat, phases, watchdog
+from tf_distrib import _compat, data, phases, watchdog
 from tf_distrib._checks import check_int, is_int
 from tf_distrib.callbacks.background_save import BackgroundSave
 from tf_distrib.callbacks.backup_store import BackupStore
@@ -158,6 +158,8 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
+        # The epoch's shuffle order follows from its number, in a resumed process too.
+        data.set_epoch(epoch)
 
     def on_train_batch_end(self, batch, logs=None):
         if self._skipped_last_call:

@@ -25,7 +25,7 @@ def train(epochs=2, backup_dir=None, communication_timeout=None, seed=1):
         model.compile(keras.optimizers.SGD(0.05),
                       keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     dataset = td.data.distribute_dataset(strategy, tf.data.Dataset.from_tensor_slices((x, y)),
-                                         64)
+                                         96)  # divides by 1 to 4 replicas
     callbacks = []
     if backup_dir:
         callbacks.append(td.callbacks.BackupAndRestore(backup_dir, save_freq=10,

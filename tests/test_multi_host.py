@@ -24,6 +24,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = os.path.join(REPO, "tests", "_multi_host.py")
 ENV = {**os.environ, "PYTHONPATH": REPO, "TF_CPP_MIN_LOG_LEVEL": "2"}
 PORT = 29400  # every host has its own network stack: no port is taken
+LONG = ["--epochs", "20"]  # ~10 s of training: a partition lands in the middle of it
 
 
 @pytest.fixture(autouse=True)
@@ -91,8 +92,7 @@ def one_process(tmp_path_factory):
 def two_hosts_uninterrupted(tmp_path_factory):
     out = tmp_path_factory.mktemp("uninterrupted")
     with SimulatedHosts(2) as hosts:
-        _finish(_launch(hosts, out, job_args=["--epochs", "3", "--backup-dir",
-                                              str(out / "backup")]))
+        _finish(_launch(hosts, out, job_args=[*LONG, "--backup-dir", str(out / "backup")]))
     return _weights(out, 0)
 
 
@@ -123,12 +123,13 @@ def test_hostnames_and_shared_memory_are_the_hosts_own(tmp_path):
 
 def test_a_short_partition_passes_unnoticed(tmp_path, two_hosts_uninterrupted):
     with SimulatedHosts(2) as hosts:
-        launchers = _launch(hosts, tmp_path, job_args=["--epochs", "3", "--backup-dir",
+        launchers = _launch(hosts, tmp_path, job_args=[*LONG, "--backup-dir",
                                                        str(tmp_path / "backup")])
         _wait_for_backup(tmp_path / "backup", launchers)
         hosts.partition(1)
         time.sleep(3)
         hosts.heal(1)
+        assert all(launcher.process.poll() is None for launcher in launchers)  # mid-training
         outputs = _finish(launchers)
     assert not any("failed" in output for output in outputs), outputs
     for got, want in zip(_weights(tmp_path, 0), two_hosts_uninterrupted, strict=True):
@@ -139,7 +140,7 @@ def test_a_long_partition_names_the_lost_host_and_the_job_resumes_bitwise(
         tmp_path, two_hosts_uninterrupted):
     with SimulatedHosts(2) as hosts:
         launchers = _launch(hosts, tmp_path, launcher_args=["--max-restarts", "1"],
-                            job_args=["--epochs", "3", "--backup-dir", str(tmp_path / "backup"),
+                            job_args=[*LONG, "--backup-dir", str(tmp_path / "backup"),
                                       "--communication-timeout", "10"])
         _wait_for_backup(tmp_path / "backup", launchers)
         cut = time.monotonic()
@@ -148,9 +149,11 @@ def test_a_long_partition_names_the_lost_host_and_the_job_resumes_bitwise(
                   deadline=cut + 10 + 30, launchers=launchers)
         hosts.heal(1)
         outputs = _finish(launchers)
-    # Each side names the other, across the network.
-    assert "worker:1 (198.18.0.2:" in _log(tmp_path, 0, attempt=0)
-    assert "worker:0 (198.18.0.1:" in _log(tmp_path, 1, attempt=0)
+    # The survivor names the lost host: the transport by address, or TensorFlow's
+    # coordination service (its heartbeat also times out after ~10 s) by task. (The cut-off
+    # side may only see its heartbeat to the service time out.)
+    log = _log(tmp_path, 0, attempt=0)
+    assert "worker:1 (198.18.0.2:" in log or "/job:worker/replica:0/task:1" in log, log[-3000:]
     assert all("after 1 restart(s)" in output for output in outputs), outputs
     for got, want in zip(_weights(tmp_path, 0), two_hosts_uninterrupted, strict=True):
         np.testing.assert_array_equal(got, want)

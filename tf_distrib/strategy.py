@@ -263,7 +263,8 @@ def make_strategy(cross_device_ops: tf.distribute.CrossDeviceOps | None = None, 
         hang_timeout: Seconds without a finished step (training, evaluation or
             prediction) after which each MWMS worker writes a flight-recorder report
             and exits with status `contract.HUNG_EXIT_CODE` (76), instead of waiting
-            forever for a stuck peer (`tf_distrib.watchdog`). `math.inf` disables it.
+            forever for a stuck peer (`tf_distrib.watchdog`); it also bounds the
+            transport's rendezvous at start-up. `math.inf` disables the watchdog.
             Defaults to None: TF_DISTRIB_HANG_TIMEOUT when set (the launcher's
             --hang-timeout), else 600.
         communication_timeout: Seconds after which a stuck TensorFlow collective fails

@@ -499,10 +499,10 @@ def _run_attempt(group: _Group, number: int, members: list[int], regrow) -> Atte
         commands.append((group.target.command(path), worker_env))
     attempt_dir = os.path.join(group.log_dir, f"attempt-{number}")
     os.makedirs(attempt_dir, exist_ok=True)
-    processes = ProcessGroup(
-        commands, console_lib.Console([first + i for i in range(len(configs))], group.stdout,
-                          group.stderr, verbose=group.verbose),
-        [os.path.join(attempt_dir, f"worker-{first + i}.log") for i in range(len(configs))])
+    indices = [first + i for i in range(len(configs))]
+    console = console_lib.Console(indices, group.stdout, group.stderr, verbose=group.verbose)
+    processes = ProcessGroup(commands, console,
+                             [os.path.join(attempt_dir, f"worker-{i}.log") for i in indices])
     liveness = Liveness([w.pid for w in processes.workers], first, group.reports_dir, number,
                         [c["cluster"]["worker"][c["task"]["index"]] for c in configs],
                         group.startup_timeout if total > 1 else None, group.hang_timeout,

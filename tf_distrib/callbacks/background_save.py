@@ -19,17 +19,24 @@ class BackgroundSave:
 
     `start` waits for the previous job first (at most one in flight); `wait` returns
     once the current one is done and raises what it raised; `what` describes the job
-    last started. An exiting interpreter waits for a running job (up to
-    `EXIT_WAIT_SECONDS`), so a backup that was started is finished unless the process
-    is killed. A killed write leaves a backup without a manifest, which restores skip
-    (with a warning); a killed deletion leaves retired backups, which restores do not
-    see and the next deletion removes.
+    last started and `started_at` says when (time.monotonic). An exiting interpreter
+    waits for a running job (up to `exit_wait` seconds), so a backup that was started
+    is finished unless the process is killed or the storage stalls. A killed write
+    leaves a backup without a manifest, which restores skip (with a warning); a killed
+    deletion leaves retired backups, which restores do not see and the next deletion
+    removes.
+
+    Args:
+        exit_wait: The longest an exiting process waits for the running job, in
+            seconds. Defaults to `EXIT_WAIT_SECONDS`.
     """
 
-    def __init__(self):
+    def __init__(self, exit_wait: float = EXIT_WAIT_SECONDS):
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._exit_wait = exit_wait
         self.what = ""
+        self.started_at = 0.0
         atexit.register(self._wait_at_exit)
 
     @property
@@ -39,7 +46,7 @@ class BackgroundSave:
     def start(self, job, what: str) -> float:
         """Runs `job()` in the background; returns the seconds spent waiting for the last."""
         waited = self.wait()
-        self.what = what
+        self.what, self.started_at = what, time.monotonic()
         self._thread = threading.Thread(target=self._run, args=(job,), daemon=True,
                                         name=THREAD_NAME)
         self._thread.start()
@@ -77,6 +84,6 @@ class BackgroundSave:
         sys.stderr.write(f"tf_distrib: waiting for {self.what} to finish before exiting\n")
         sys.stderr.flush()
         try:
-            self.wait(EXIT_WAIT_SECONDS)
+            self.wait(self._exit_wait)
         except (RuntimeError, TimeoutError) as e:
             sys.stderr.write(f"tf_distrib: {e}\n")

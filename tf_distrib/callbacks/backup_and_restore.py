@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+import warnings
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -58,6 +61,12 @@ class BackupAndRestore(keras.callbacks.Callback):
       does not depend on the number of workers and a run killed between micro-steps
       resumes bitwise from the last update. A save that comes due between
       micro-steps (save_freq, an epoch end, preemption) is made at the next update.
+    - **Storage faults**: a save that fails (a full disk, a read-only or vanished
+      directory, a permission error) or takes longer than `save_timeout` (stalled
+      storage) is reported with a warning naming the path and the cause, what it
+      left behind is deleted, the previous backup stays the newest, and training goes
+      on. After `max_failed_saves` failed saves in a row, `fit` raises `BackupError`.
+      A backup directory that disappears while training is made again, with a warning.
     - **Hang watchdog**: saving pauses `tf_distrib.watchdog`.
 
     Args:
@@ -75,6 +84,10 @@ class BackupAndRestore(keras.callbacks.Callback):
             backup still being written. Defaults to 1.
         async_save: Write backups on a background thread. Defaults to True (measured:
             `make bench` -> backup).
+        save_timeout: Seconds a save may take before it counts as failed (storage
+            that stalls); the write goes on in the background. Defaults to 300.
+        max_failed_saves: Failed saves in a row after which `fit` raises
+            `BackupError`. Defaults to 3.
 
     Attributes:
         restored_step: The global step training resumed from in the last `fit`, or
@@ -91,7 +104,8 @@ class BackupAndRestore(keras.callbacks.Callback):
     def __init__(self, backup_dir: str, save_freq: str | int = "epoch",
                  delete_checkpoint: bool = True, *, keep: int = 2,
                  save_before_preemption: bool = True, verbose: int = 1,
-                 async_save: bool = True):
+                 async_save: bool = True, save_timeout: float = 300.0,
+                 max_failed_saves: int = 3):
         super().__init__()
         if not backup_dir:
             raise ValueError("BackupAndRestore needs a backup_dir, e.g. '/tmp/backup'.")
@@ -99,14 +113,24 @@ class BackupAndRestore(keras.callbacks.Callback):
             raise ValueError(
                 f"save_freq must be 'epoch' or a positive number of steps, got {save_freq!r}.")
         check_int("keep", keep)
+        check_int("max_failed_saves", max_failed_saves)
+        if not (isinstance(save_timeout, (int, float)) and save_timeout > 0):
+            raise ValueError(f"save_timeout must be a number of seconds > 0, got "
+                             f"{save_timeout!r}.")
         self.backup_dir = str(backup_dir)
         self.save_freq = save_freq
         self.delete_checkpoint = delete_checkpoint
         self.save_before_preemption = save_before_preemption
         self.verbose = verbose
         self.async_save = async_save
+        self.save_timeout = float(save_timeout)
+        self.max_failed_saves = max_failed_saves
         self._store = BackupStore(self.backup_dir, keep)
-        self._writer = BackgroundSave()
+        self._writer = BackgroundSave(exit_wait=self.save_timeout)
+        self._writing_step: int | None = None  # the step the writer's job saves, if any
+        self._stalled = False  # that save ran past save_timeout (and was reported)
+        self._newest_step: int | None = None  # the newest backup known to be complete
+        self._failed_saves = 0
         self._snapshot = HostSnapshot()
         self._saved_step: int | None = None
         self._preemption: PreemptionWatcher | None = None
@@ -121,7 +145,8 @@ class BackupAndRestore(keras.callbacks.Callback):
     # Keras hooks -----------------------------------------------------------------
 
     def on_train_begin(self, logs=None):
-        self._writer.wait()  # a backup a failed fit left in flight
+        self._finish_job()  # a backup a failed fit left in flight
+        self._failed_saves = 0
         strategy = self.model.distribute_strategy
         self._is_chief = strategy.extended.should_checkpoint
         self._global_step = self._epoch = self._step_in_epoch = self._skip = 0
@@ -144,6 +169,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         # fit() reads this right after on_train_begin to choose its first epoch.
         _compat.set_initial_epoch(self.model, epoch)
         self._global_step = self.restored_step = self._saved_step = manifest["step"]
+        self._newest_step = manifest["step"]
         deferred = ["metrics"] if step else []
         if self.model.built:
             if not self.model.optimizer.built:
@@ -180,7 +206,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             if (stop_at is not None and self._global_step >= stop_at
                     and self._at_update_boundary()):
                 self._save()
-                self._writer.wait()
+                self._finish_job()
                 # The SIGTERM handler stays installed: the launcher may signal this
                 # process again while it exits, and the default action would kill it.
                 if self.verbose:
@@ -199,13 +225,13 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._save()
 
     def on_train_end(self, logs=None):
-        self._writer.wait()
+        self._finish_job()
         self._snapshot.release()
         if self._preemption is not None:
             self._preemption.close()
             self._preemption = None
         _compat.set_initial_epoch(self.model, None)
-        if self.delete_checkpoint and self._is_chief:
+        if self.delete_checkpoint and self._is_chief and not self._writer.busy:
             self._store.retire_all()  # a later fit on this directory starts afresh
             self._writer.start(self._store.purge_retired,
                                f"deleting the backups in {self.backup_dir}")
@@ -223,6 +249,8 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _map_host_memory(self) -> None:
         """Maps the memory saves copy into, off the training thread (see HostSnapshot)."""
+        if self._writer.busy:  # a stalled save from an earlier fit
+            return
         specs = [(name, v.shape, tf.as_dtype(v.dtype).as_numpy_dtype)
                  for name, v in self._named_variables()]
         self._writer.start(lambda: self._snapshot.allocate(specs),
@@ -266,19 +294,87 @@ class BackupAndRestore(keras.callbacks.Callback):
                         "steps_per_epoch": self.params.get("steps")}
             # np.asarray views a CPU tensor's buffer (read-only; .numpy() copies it).
             arrays = [(name, np.asarray(t)) for name, t in values]
-            if not self.async_save:
-                self._store.write(step, arrays, metadata)
-                return
             what = self._writer.what
-            waited = self._writer.wait()  # its buffers are the ones copied into next
-            # The copy, not the tensors: TensorFlow copies a variable before updating it
-            # while a read of it lives, into fresh memory each time (see HostSnapshot).
-            snapshot = self._snapshot.copy(arrays)
-            self._writer.start(lambda: self._store.write(step, snapshot, metadata),
+            waited = self._finish_job()  # its buffers are the ones copied into next
+            if self._writer.busy:  # stalled past save_timeout, and still holds them
+                self._save_failed(step, f"{what} is still stalled after "
+                                        f"{time.monotonic() - self._writer.started_at:.0f} s")
+                return
+            if self.async_save:
+                # The copy, not the tensors: TensorFlow copies a variable before updating
+                # it while a read of it lives, into fresh memory each time (HostSnapshot).
+                arrays = self._snapshot.copy(arrays)
+            self._writing_step = step
+            self._writer.start(lambda: self._write(step, arrays, metadata),
                                f"writing the backup of step {step} to {self.backup_dir}")
-            if waited > 0.1 and self.verbose:
+            if not self.async_save:
+                self._finish_job()
+            elif waited > 0.1 and self.verbose:
                 print(f"BackupAndRestore: waited {waited:.1f} s for {what} before the backup "
                       f"of step {step}", flush=True)
+
+    def _write(self, step: int, arrays, metadata: dict) -> None:
+        """The writer's job: one backup (off the training thread, even when synchronous)."""
+        if self._newest_step is not None and not tf.io.gfile.exists(self.backup_dir):
+            warnings.warn(f"BackupAndRestore: the backup directory {self.backup_dir} has "
+                          "disappeared since the last backup (deleted, or its file system "
+                          "unmounted), with the backups in it; making it again.",
+                          RuntimeWarning, stacklevel=1)
+        self._store.write(step, arrays, metadata)
+
+    def _finish_job(self) -> float:
+        """Waits for the writer's job, a save at most until its `save_timeout`.
+
+        A save that failed or stalled is reported (`_save_failed`) once; a stalled one
+        is not waited for again, and its late result is taken when its thread ends.
+        Another job's failure (mapping memory, deleting backups) is a warning.
+        Returns the seconds waited.
+        """
+        step = self._writing_step
+        if self._stalled and self._writer.busy:
+            return 0.0
+        timeout = None
+        if step is not None and not self._stalled:
+            timeout = max(0.0, self._writer.started_at + self.save_timeout - time.monotonic())
+        start = time.monotonic()
+        try:
+            self._writer.wait(timeout)
+        except TimeoutError:
+            self._stalled = True
+            self._save_failed(step, f"it stalled: still running after {self.save_timeout:g} s "
+                                    "(save_timeout)")
+        except RuntimeError as e:
+            cause, stalled = e.__cause__ or e, self._stalled
+            self._writing_step, self._stalled = None, False
+            if step is None:
+                warnings.warn(f"BackupAndRestore: {self._writer.what} failed: {cause}",
+                              RuntimeWarning, stacklevel=2)
+            else:
+                self._store.discard_incomplete(step)
+                if not stalled:  # a stalled save was reported when it stalled
+                    self._save_failed(step, str(cause))
+        else:
+            if step is not None:
+                self._newest_step, self._failed_saves = step, 0
+            self._writing_step, self._stalled = None, False
+        return time.monotonic() - start
+
+    def _save_failed(self, step: int, cause: str) -> None:
+        """Warns that the backup of `step` failed, or raises BackupError after too many."""
+        self._failed_saves += 1
+        newest = ("no backup was made before it" if self._newest_step is None else
+                  f"the backup of step {self._newest_step} stays the newest")
+        message = (f"BackupAndRestore: the backup of step {step} to {self.backup_dir} failed: "
+                   f"{cause}; {newest}.")
+        if self._failed_saves >= self.max_failed_saves:
+            raise BackupError(
+                f"{message} {self._failed_saves} saves failed in a row (max_failed_saves="
+                f"{self.max_failed_saves}): training stops. Fix the storage (space, "
+                "permissions, the mount), then start again: training resumes from the "
+                "newest backup.")
+        warnings.warn(f"{message} Training goes on ({self._failed_saves} of "
+                      f"{self.max_failed_saves} failed saves in a row before it stops).",
+                      RuntimeWarning, stacklevel=3)
 
     def _wrap_train_function(self, manifest, arrays, step: int, deferred: list[str]) -> None:
         """Assigns `deferred` state on the first training call, then skips `step` steps.
@@ -332,6 +428,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         for group in restoring:
             for i, variable in enumerate(groups[group]):
                 variable.assign(arrays[f"{group}/{i}"])
+
+
+class BackupError(RuntimeError):
+    """`max_failed_saves` backups in a row failed: training stops rather than go on unprotected."""
 
 
 def _is_multi_worker(strategy) -> bool:

@@ -7,10 +7,17 @@ file's size and CRC-32). The manifest is written last, under a temporary name an
 renamed into place (a file rename, which every tf.io.gfile file system has: object
 stores like gs:// cannot rename directories). So a backup is committed the moment its
 manifest appears; one without a manifest (a writer killed in the middle), or whose
-checksum does not match, is skipped with a warning. On a local disk a large state file
-is written past the page cache (see `DirectFile`). On a local disk, backups to delete
-are first renamed to a hidden `.retired-` name, so that deleting them can run in the
-background.
+checksum does not match, is skipped with a warning.
+
+On a local file system a commit is also durable, in the order databases use, so that a
+power loss or a host crash at any moment leaves the previous backup or the new one,
+never a manifest naming data the disk does not hold: the state file is written and
+fsync'ed, then the manifest (fsync'ed under its temporary name), renamed into place,
+then the backup's directory and the backup directory itself are fsync'ed (the two
+directory entries), and only then are older backups taken out of the listing (renamed
+to a hidden `.retired-` name, fsync'ed, and deleted). A large state file is written past
+the page cache (see `DirectFile`). Object stores (gs://, s3://) make an object durable
+when its upload returns and have no fsync: there the manifest's upload is the commit.
 
 The checksum is a CRC-32, as in TensorFlow's own checkpoints and TFRecords: it is there
 to catch truncated or damaged files, not tampering, and runs at 7 GB/s on the
@@ -90,11 +97,23 @@ class BackupStore:
                     "arrays": entries,
                     "files": {_STATE: {"bytes": offset, "crc32": crc}}}
         tmp = f"{manifest_path}{_TMP_PREFIX}{uuid.uuid4().hex}"
-        with tf.io.gfile.GFile(tmp, "w") as f:
-            f.write(json.dumps(manifest))
+        with _open_for_writing(tmp, 0) as f:
+            f.write(json.dumps(manifest).encode())
         tf.io.gfile.rename(tmp, manifest_path, overwrite=True)
+        if _is_local(final):
+            _sync_directory(final)  # the manifest's (and the state file's) entry
+            _sync_directory(self.directory)  # the backup's own entry
         self._prune()
         return final
+
+    def discard_incomplete(self, step: int) -> None:
+        """Deletes what a failed write of `step` left (no manifest), if it can."""
+        path = self._path(step)
+        try:
+            if not tf.io.gfile.exists(posixpath.join(path, _MANIFEST)):
+                tf.io.gfile.rmtree(path)
+        except (OSError, tf.errors.OpError):
+            pass  # the storage is failing: a restore skips a backup without a manifest
 
     def steps(self) -> list[int]:
         """Global steps of the committed backups, newest first."""
@@ -132,13 +151,7 @@ class BackupStore:
         from this directory ever seeing half a backup. Object stores cannot rename
         directories: there the backups are deleted here.
         """
-        for step in self.steps():
-            path = self._path(step)
-            if _is_local(path):
-                os.rename(path, posixpath.join(
-                    self.directory, f"{_RETIRED_PREFIX}{step:012d}-{uuid.uuid4().hex}"))
-            else:
-                tf.io.gfile.rmtree(path)
+        self._retire(self.steps())
 
     def purge_retired(self) -> None:
         """Deletes the retired backups, those a killed process left too."""
@@ -153,8 +166,23 @@ class BackupStore:
             return []
 
     def _prune(self) -> None:
-        for step in self.steps()[self.keep:]:
-            tf.io.gfile.rmtree(self._path(step))
+        self._retire(self.steps()[self.keep:])
+        self.purge_retired()
+
+    def _retire(self, steps: list[int]) -> None:
+        """Takes the backups of `steps` out of the listing, each at once (see `retire_all`)."""
+        local = _is_local(self.directory)
+        for step in steps:
+            path = self._path(step)
+            if local:
+                os.rename(path, posixpath.join(
+                    self.directory, f"{_RETIRED_PREFIX}{step:012d}-{uuid.uuid4().hex}"))
+            else:
+                tf.io.gfile.rmtree(path)
+        if local and steps:
+            # Deleting a retired backup's files cannot then leave, after a crash, a listed
+            # backup whose manifest outlived its state file.
+            _sync_directory(self.directory)
 
     def _path(self, step: int) -> str:
         return posixpath.join(self.directory, f"{_PREFIX}{step:012d}")
@@ -183,9 +211,40 @@ def _is_local(path: str) -> bool:
 
 
 def _open_for_writing(path: str, size: int):
+    """A new file for `size` bytes; on a local disk, durable once closed."""
     if not _is_local(path):
         return _GFileWriter(path)
-    return DirectFile(path) if size >= _DIRECT_FROM_BYTES else open(path, "wb")
+    return DirectFile(path) if size >= _DIRECT_FROM_BYTES else _DurableFile(path)
+
+
+class _DurableFile:
+    """A new local file, written through the page cache and fsync'ed when closed."""
+
+    def __init__(self, path: str):
+        self._file = open(path, "wb")
+
+    def write(self, chunk) -> None:
+        self._file.write(chunk)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *exc):
+        try:
+            if exc_type is None:
+                self._file.flush()
+                os.fsync(self._file.fileno())
+        finally:
+            self._file.close()
+
+
+def _sync_directory(path: str) -> None:
+    """Makes the entries of directory `path` durable (its files' names and renames)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class _GFileWriter:

@@ -1,7 +1,7 @@
 """What the launcher learns from its workers' flight-recorder reports.
 
 Each worker that its hang watchdog stops, or that loses a peer, writes a report to
-TF_DISTRIB_REPORT_DIR (`tf_distrib.watchdog`). A hung worker is one the others wait
+TF_DISTRIB_REPORT_DIR (`tf_distrib.failure_report`). A hung worker is one the others wait
 for: a worker blocked in a collective reports the peers it waits for, and a worker
 that lost a peer names it. The worker(s) waited for, that are not themselves waiting,
 stopped first. Without that evidence (TensorFlow's collective reports nothing): among
@@ -11,10 +11,10 @@ say) while the others wait inside one; else all of them.
 
 from __future__ import annotations
 
-import glob
 import json
-import os
 import re
+
+from tf_distrib import failure_report
 
 _PEER = re.compile(r"\b(chief|worker):(\d+) \(")
 
@@ -22,11 +22,10 @@ _PEER = re.compile(r"\b(chief|worker):(\d+) \(")
 def read(directory: str, attempt: int) -> dict[int, dict]:
     """The reports of `attempt`'s workers, by worker index."""
     reports = {}
-    for path in glob.glob(os.path.join(directory, f"report-{attempt}-*.json")):
-        index = path.rsplit("-", 1)[1].removesuffix(".json")
+    for index, path in failure_report.paths(directory, attempt).items():
         try:
             with open(path) as f:
-                reports[int(index)] = json.load(f)
+                reports[index] = json.load(f)
         except (OSError, ValueError):
             continue  # half written by a worker that was killed
     return reports

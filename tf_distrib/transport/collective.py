@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from tf_distrib import phases, watchdog
+from tf_distrib import failure_report, phases
 from tf_distrib.transport.buffers import BufferPool, Layout
 from tf_distrib.transport.errors import PeerLostError, TransportError
 from tf_distrib.transport.mesh import Mesh, TransportUnavailable
@@ -154,7 +154,7 @@ class Transport:
         """Remembers `error` and tells every peer, so that each fails fast, naming the cause."""
         self.failure = error
         if isinstance(error, PeerLostError):
-            watchdog.write_failure_report(self.mesh.peers[self.rank].task, str(error), self,
+            failure_report.write_failure(self.mesh.peers[self.rank].task, str(error), self,
                                           lost_peer=error.peer.task)
         me = self.mesh.peers[self.rank]
         aborts = [c.abort(f"{me} stopped its transport: {error}")

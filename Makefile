@@ -7,7 +7,8 @@ PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 FAST := not multiprocess and not slow and not gpu and not slurm
 
-.PHONY: demo test test-fast bench docs notebooks gpu-check lint venv constraints slurm-deps
+.PHONY: demo test test-fast bench chaos docs notebooks gpu-check lint venv constraints \
+	system-deps
 
 $(INSTALLED): setup.cfg pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,18 +33,26 @@ test: $(INSTALLED)
 test-fast: $(INSTALLED)
 	$(PY) -m pytest -q -m "$(FAST)"
 
-# Debian's Slurm and munge for tests/test_slurm.py (a real slurmctld and slurmd); once.
-# Without root or apt-get the Slurm tests skip, naming what they need.
-slurm-deps:
-	@if command -v slurmctld >/dev/null && command -v slurmd >/dev/null \
-		&& command -v munged >/dev/null; then :; \
+# Debian packages some tests drive for real, once: Slurm and munge (tests/test_slurm.py,
+# a real slurmctld and slurmd) and strace (the durable-backup order, tests/test_durability.py).
+# Without root or apt-get those tests skip, naming what they need.
+SYSTEM_TOOLS := slurmctld slurmd munged strace
+system-deps:
+	@if for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null || exit 1; done; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-			slurm-wlm munge >/dev/null; \
-	else echo "slurm-deps: not root or no apt-get: the Slurm tests will skip"; fi
+			slurm-wlm munge strace >/dev/null; \
+	else echo "system-deps: not root or no apt-get: the Slurm and strace tests will skip"; fi
 
 bench: $(INSTALLED)
 	$(VENV)/bin/tf-distrib bench
+
+# Trials of a 2-worker job under drawn faults, each checked bitwise (tf_distrib.chaos);
+# `make chaos TRIALS=100 SEED=1` for the soak in docs/fault_tolerance.md.
+TRIALS ?= 20
+SEED ?= 0
+chaos: $(INSTALLED)
+	$(VENV)/bin/tf-distrib chaos --trials $(TRIALS) --seed $(SEED) --out chaos-results.json
 
 # The documentation site (mkdocs, API reference from the docstrings); warnings fail it.
 docs: $(INSTALLED)

@@ -2,7 +2,7 @@
 
 Everything lives in one private directory: a generated munge key and socket, a
 generated slurm.conf (one node named "localhost" with 2 CPUs, partition "test"), the
-daemons' state, spool and logs. Only `make slurm-deps` touches the system (it installs
+daemons' state, spool and logs. Only `make system-deps` touches the system (it installs
 Debian's slurm-wlm and munge). `stop()` cancels every job and stops the daemons.
 """
 
@@ -52,7 +52,7 @@ def missing() -> str | None:
     """Why a real Slurm cannot run here, or None."""
     absent = [name for name in COMMANDS if shutil.which(name) is None]
     if absent:
-        return (f"a real Slurm: {', '.join(absent)} not installed (`make slurm-deps` installs "
+        return (f"a real Slurm: {', '.join(absent)} not installed (`make system-deps` installs "
                 "Debian's slurm-wlm and munge, as root)")
     if os.geteuid() != 0:
         return "a real Slurm: root, to run slurmd"

@@ -10,6 +10,7 @@ _COMMANDS = {
     "demo": ("tf_distrib.demo", "2-worker MultiWorkerMirroredStrategy training demo"),
     "bench": ("tf_distrib.bench", "benchmarks against TensorFlow's built-ins"),
     "doctor": ("tf_distrib.doctor", "check versions, devices, cluster config and ports"),
+    "chaos": ("tf_distrib.chaos", "trials of a 2-worker job under faults, checked bitwise"),
 }
 
 

@@ -96,12 +96,15 @@ def two_hosts_uninterrupted(tmp_path_factory):
     return _weights(out, 0)
 
 
-@pytest.mark.parametrize("num_hosts", [2, 3])
-def test_hosts_train_like_one_process_and_agree_bitwise(tmp_path, one_process, num_hosts):
+@pytest.mark.parametrize("num_hosts, per_host, transport", [(2, 1, "tcp"), (3, 1, "tcp"),
+                                                              (2, 2, "shm+tcp")],
+                         ids=["2 hosts", "3 hosts", "2 hosts x 2 workers"])
+def test_hosts_train_like_one_process_and_agree_bitwise(tmp_path, one_process, num_hosts,
+                                                        per_host, transport):
     with SimulatedHosts(num_hosts) as hosts:
-        outputs = _finish(_launch(hosts, tmp_path, job_args=["--epochs", "3"]))
-    assert all("trained with transport tcp" in output for output in outputs), outputs
-    workers = [_weights(tmp_path, i) for i in range(num_hosts)]
+        outputs = _finish(_launch(hosts, tmp_path, per_host, job_args=["--epochs", "3"]))
+    assert all(f"trained with transport {transport}\n" in output for output in outputs), outputs
+    workers = [_weights(tmp_path, i) for i in range(num_hosts * per_host)]
     for other in workers[1:]:
         for a, b in zip(workers[0], other, strict=True):
             np.testing.assert_array_equal(a, b)

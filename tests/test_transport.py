@@ -31,12 +31,23 @@ def _inputs(rank, sizes, dtype_name):
     return [(rng.standard_normal(n) * 4).astype(dtype) for n in sizes]
 
 
-def sum_on_workers(directory, mode, sizes, dtype_name, repeats=2, secret=b"job secret"):
-    """Runs in each worker: all-reduces the same buckets `repeats` times."""
+def sum_on_workers(directory, mode, sizes, dtype_name, repeats=2, secret=b"job secret",
+                   hosts=None):
+    """Runs in each worker: all-reduces the same buckets `repeats` times.
+
+    `hosts[rank]` puts the worker on a pretend host of that number: its shared-memory
+    segment lives in a directory of another file system than /dev/shm, so that its host
+    id differs (the real thing across hosts: tests/test_multi_host.py).
+    """
     rank = int(os.environ["TF_DISTRIB_WORKER_INDEX"])
     world = int(os.environ["TF_DISTRIB_NUM_WORKERS"])
+    shm_directory = "/dev/shm"
+    if hosts and hosts[rank]:
+        shm_directory = os.path.join(directory, f"host{hosts[rank]}")
+        os.makedirs(shm_directory, exist_ok=True)
     t = transport.connect(rank, [f"worker:{r}" for r in range(world)], "127.0.0.1",
-                          transport.FileStore(directory), secret=secret, mode=mode, timeout=30)
+                          transport.FileStore(directory), secret=secret, mode=mode, timeout=30,
+                          shm_directory=shm_directory)
     try:
         arrays = _inputs(rank, sizes, dtype_name)
         for _ in range(repeats):
@@ -61,6 +72,27 @@ def test_sums_are_exact_and_bitwise_identical(tmp_path, mode, world):
             reference = sum(x[k].astype(np.float64) for x in inputs)
             np.testing.assert_allclose(got, reference, rtol=1e-6, atol=1e-5 * world)
             assert got.dtype == np.float32 and got.shape == (sizes[k],)
+    digests = {hashlib.sha256(b"".join(s.tobytes() for s in w.value["sums"])).hexdigest()
+               for w in workers}
+    assert len(digests) == 1
+
+
+@pytest.mark.parametrize("hosts, mode", [([0, 0, 1, 1], "shm+tcp"), ([0, 0, 0, 1, 1, 1], "shm+tcp"),
+                                         ([0, 0, 1], "tcp")], ids=["2x2", "2x3", "2+1"])
+def test_hosts_with_several_workers_sum_hierarchically_exactly_and_identically(
+        tmp_path, hosts, mode):
+    # Chunks of 1 element to several shared-memory slots (frames and polled counters).
+    sizes = [1, 7, 65_537, 700_000]
+    world = len(hosts)
+    workers = run_workers(sum_on_workers, world, args=(str(tmp_path), "auto", sizes, "float32"),
+                          kwargs={"hosts": hosts}, startup_timeout=None, quiet=True,
+                          timeout=120)
+    inputs = [_inputs(r, sizes, "float32") for r in range(world)]
+    for w in workers:
+        assert w.value["mode"] == mode
+        for k, got in enumerate(w.value["sums"]):
+            reference = sum(x[k].astype(np.float64) for x in inputs)
+            np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-5 * world)
     digests = {hashlib.sha256(b"".join(s.tobytes() for s in w.value["sums"])).hexdigest()
                for w in workers}
     assert len(digests) == 1

@@ -30,8 +30,8 @@ _EXPORTS = {
     "KerasMultiWorkerMirroredStrategy": "tf_distrib.strategy",
     "HostMirroredStrategy": "tf_distrib.strategy",
 }
-_SUBMODULES = ("callbacks", "cluster", "cross_device", "data", "doctor", "integrations",
-               "launch", "lr", "model_parallel", "strategy", "testing")
+_SUBMODULES = ("callbacks", "chaos", "cluster", "cross_device", "data", "doctor",
+               "integrations", "launch", "lr", "model_parallel", "strategy", "testing")
 
 __all__ = ["__version__", *_EXPORTS, *_SUBMODULES]
 

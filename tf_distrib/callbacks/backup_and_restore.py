@@ -145,8 +145,9 @@ class BackupAndRestore(keras.callbacks.Callback):
     # Keras hooks -----------------------------------------------------------------
 
     def on_train_begin(self, logs=None):
-        self._finish_job()  # a backup a failed fit left in flight
         self._failed_saves = 0
+        self._finish_job()  # a backup a failed fit left in flight
+        self._newest_step = None  # until a restore finds one
         strategy = self.model.distribute_strategy
         self._is_chief = strategy.extended.should_checkpoint
         self._global_step = self._epoch = self._step_in_epoch = self._skip = 0

@@ -31,7 +31,7 @@ import numpy as np
 from tf_distrib import failure_report, phases
 from tf_distrib.transport.buffers import BufferPool, Layout
 from tf_distrib.transport.errors import PeerLostError, TransportError
-from tf_distrib.transport.mesh import Mesh, TransportUnavailable
+from tf_distrib.transport.mesh import Mesh, SubMesh, TransportUnavailable
 from tf_distrib.transport.ring import ring_all_reduce
 from tf_distrib.transport.shared_memory import SharedMemoryReducer, SharedSegment, chunk_bytes_for
 from tf_distrib.transport.store import Store
@@ -40,8 +40,9 @@ __all__ = ["Transport", "Stats", "connect", "MODES", "TransportUnavailable",
            "DEFAULT_PEER_TIMEOUT", "DEFAULT_CONNECT_TIMEOUT"]
 
 #: Transports `make_strategy(transport=...)` accepts: "auto" (shared memory when every
-#: worker is on one host, else TCP; TensorFlow's collective on GPUs), "tf" (TensorFlow's
-#: collective), "tcp", "shm".
+#: worker is on one host; shared memory within hosts and TCP between them when hosts run
+#: the same number of workers; else TCP; TensorFlow's collective on GPUs), "tf"
+#: (TensorFlow's collective), "tcp", "shm".
 MODES = ("auto", "tf", "tcp", "shm")
 DEFAULT_PEER_TIMEOUT = 30.0
 DEFAULT_CONNECT_TIMEOUT = 120.0
@@ -61,26 +62,49 @@ class Stats:
 
 
 class Transport:
-    """Sums arrays across the workers of a `Mesh`: shared memory on one host, else a TCP ring.
+    """Sums arrays across the workers of a `Mesh`: shared memory, TCP, or both.
+
+    - "shm": every worker on one host sums through one shared-memory segment;
+    - "tcp": a ring over the mesh's TCP connections (one worker per host, or hosts
+      with different numbers of workers);
+    - "shm+tcp" (hierarchical, several hosts with the same number L > 1 of workers
+      each): the workers of a host sum through their host's segment; each then owns
+      1/L of the host's sum and ring-all-reduces it with the workers of the same
+      local index on the other hosts (L rings at once, each on 1/L of the bytes, so
+      every worker's link and core share the network part); then each copies the
+      other slices from its host's segment. Bytes cross the network 2(H-1)/H times
+      per host and slice (H hosts), as a flat ring's would per worker, but on L
+      links at once and never between two workers of one host.
 
     Every worker must call `all_reduce` with arrays of the same shapes and dtype, in
     the same order. Sums are bitwise identical on every worker.
 
     Args:
         mesh: The connected workers.
-        segment: A shared-memory segment every worker has attached, or None for TCP.
+        segment: A shared-memory segment every worker of this host has attached, or
+            None for TCP.
+        hosts: The mesh's ranks grouped by host, for "shm+tcp". Defaults to None: every
+            worker on this host ("shm") when there is a segment.
 
     Attributes:
-        mode: "shm" or "tcp".
+        mode: "shm", "tcp" or "shm+tcp".
         stats: A `Stats`.
         failure: The error that stopped the transport, or None.
     """
 
-    def __init__(self, mesh: Mesh, segment: SharedSegment | None = None):
+    def __init__(self, mesh: Mesh, segment: SharedSegment | None = None,
+                 hosts: list[list[int]] | None = None):
         self.mesh = mesh
-        self.mode = "shm" if segment is not None else "tcp"
         self._segment = segment
-        self._shm = SharedMemoryReducer(mesh, segment) if segment is not None else None
+        self._shm = self._across = None
+        if segment is not None and hosts and len(hosts) > 1:
+            mine = next(group for group in hosts if mesh.rank in group)
+            local = SubMesh.of(mesh, mine)
+            self._shm = SharedMemoryReducer(local, segment)
+            self._across = SubMesh.of(mesh, [group[local.rank] for group in hosts])
+        elif segment is not None:
+            self._shm = SharedMemoryReducer(mesh, segment)
+        self.mode = "tcp" if segment is None else "shm+tcp" if self._across else "shm"
         self._results, self._scratch = BufferPool(), BufferPool()
         self._seq = 0
         self._lock = threading.Lock()
@@ -123,7 +147,9 @@ class Transport:
             start = time.perf_counter()
             out = self._results.take(layout.nbytes, layout.dtype)
             try:
-                if self._shm is not None:
+                if self._across is not None:
+                    self._hierarchical_all_reduce(seq, layout, arrays, out)
+                elif self._shm is not None:
                     self._shm.all_reduce(seq, layout, arrays, out)
                 else:
                     layout.gather(arrays, 0, layout.size, out)
@@ -141,6 +167,18 @@ class Transport:
             self.stats.bytes += layout.nbytes
             self.stats.seconds += time.perf_counter() - start
             return layout.views(out)
+
+    def _hierarchical_all_reduce(self, seq, layout, arrays, out) -> None:
+        self._shm.all_reduce(seq, layout, arrays, out)  # the host's sum, on each of its workers
+        local = self._shm.mesh
+        n = len(local.peers)
+        bounds = [layout.size * c // n for c in range(n + 1)]
+        mine = out[bounds[local.rank]:bounds[local.rank + 1]]
+        hosts = len(self._across.peers)
+        scratch = self._scratch.take((len(mine) // hosts + 1) * layout.dtype.itemsize,
+                                     layout.dtype)
+        ring_all_reduce(self._across, seq, mine, scratch)
+        self._shm.all_gather(seq, layout, bounds, out)
 
     def recent(self) -> list[dict]:
         """The last collectives (seq, bytes, started, ended: None while running), oldest first."""
@@ -189,7 +227,8 @@ def connect(rank: int, tasks: list[str], host: str, store: Store, *,
         secret: The job's secret. Defaults to None: worker 0 draws one and shares it
             through `store` (as safe as the store itself; the launcher passes its own).
         mode: "auto" (shared memory when every worker shares this host and /dev/shm
-            has room, else TCP), "tcp" or "shm". Defaults to "auto".
+            has room; "shm+tcp" when several hosts run the same number of workers,
+            more than one each; else TCP), "tcp" or "shm". Defaults to "auto".
         timeout: Seconds for every worker to publish and connect. Defaults to 120.
         peer_timeout: Seconds of silence after which a peer counts as lost. Defaults to 30.
         prefix: Store key prefix, unique per transport within the job.
@@ -208,19 +247,48 @@ def connect(rank: int, tasks: list[str], host: str, store: Store, *,
         secret = store.get(f"{prefix}/secret", timeout).encode()
     mesh = Mesh(rank, tasks, host, store, prefix, secret, timeout=timeout,
                 peer_timeout=peer_timeout, extra={"host_id": _host_id(shm_directory)})
+    hosts = list(_by_host(mesh).values())
     segment, why = None, "the workers run on different hosts"
-    if mode != "tcp" and len(tasks) > 1 and len({i["host_id"] for i in mesh.infos}) == 1:
+    if mode == "auto" and len(hosts) > 1 and len({len(g) for g in hosts}) == 1 < len(hosts[0]):
+        segment = _hierarchical_segment(mesh, hosts, store, prefix, timeout, shm_directory)
+    elif mode != "tcp" and len(tasks) > 1 and len(hosts) == 1:
         segment, why = _shared_segment(mesh, store, prefix, timeout, shm_directory)
     if mode == "shm" and segment is None and len(tasks) > 1:
         mesh.close()
         raise TransportError(f"transport='shm' is not possible here: {why}. Use 'auto' or "
                              "'tcp'.")
-    return Transport(mesh, segment)
+    return Transport(mesh, segment, hosts)
 
 
-def _shared_segment(mesh: Mesh, store: Store, prefix: str, timeout: float,
+def _by_host(mesh: Mesh) -> dict[str, list[int]]:
+    """The mesh's ranks grouped by host, hosts in the order of their first rank."""
+    hosts: dict[str, list[int]] = {}
+    for r, info in enumerate(mesh.infos):
+        hosts.setdefault(info["host_id"], []).append(r)
+    return hosts
+
+
+def _hierarchical_segment(mesh: Mesh, hosts: list[list[int]], store: Store, prefix: str,
+                          timeout: float, directory: str) -> SharedSegment | None:
+    """This host's segment for "shm+tcp", or None (every worker then uses the TCP ring).
+
+    Every host makes its own; all workers use them only if every host succeeded.
+    """
+    index = next(i for i, group in enumerate(hosts) if mesh.rank in group)
+    segment, why = _shared_segment(SubMesh.of(mesh, hosts[index]), store,
+                                   f"{prefix}/host{index}", timeout, directory)
+    store.set(f"{prefix}/hierarchical/{mesh.rank}", why)
+    if any(store.get(f"{prefix}/hierarchical/{r}", timeout) != "ok"
+           for r in range(len(mesh.peers))):
+        if segment is not None:
+            segment.close()
+        return None
+    return segment
+
+
+def _shared_segment(mesh: Mesh | SubMesh, store: Store, prefix: str, timeout: float,
                     directory: str) -> tuple[SharedSegment | None, str]:
-    """One segment every worker attached, or (None, why not); every worker agrees."""
+    """One segment every worker of `mesh` attached, or (None, why not); they all agree."""
     world, segment = len(mesh.peers), None
     if mesh.rank == 0:
         try:

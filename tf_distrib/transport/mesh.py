@@ -10,6 +10,7 @@ and logged, and the mesh keeps waiting for the real peer until its deadline.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import socket
@@ -140,6 +141,31 @@ class Mesh:
         for connection in self.connections.values():
             connection.close()
         self.connections.clear()
+
+
+@dataclasses.dataclass
+class SubMesh:
+    """Some workers of a `Mesh`, renumbered 0, 1, ... in `ranks` order, on its connections.
+
+    The all-reduce algorithms take one in place of a `Mesh`: the hierarchical
+    all-reduce runs shared memory on the workers of a host and a ring on the workers
+    of the same local index across hosts.
+
+    Attributes:
+        rank: This worker's rank within the sub-mesh.
+        peers: Its workers, by sub-mesh rank.
+        connections: Sub-mesh rank -> `Connection`, for every other worker in it.
+    """
+
+    rank: int
+    peers: list[Peer]
+    connections: dict[int, Connection]
+
+    @classmethod
+    def of(cls, mesh: Mesh, ranks: list[int]) -> SubMesh:
+        """The workers of `mesh` whose ranks are `ranks` (this worker among them)."""
+        return cls(ranks.index(mesh.rank), [mesh.peers[r] for r in ranks],
+                   {i: mesh.connections[r] for i, r in enumerate(ranks) if r != mesh.rank})
 
 
 def _left(deadline: float) -> float:

@@ -132,7 +132,10 @@ class SharedSegment:
 
 
 class SharedMemoryReducer:
-    """Sums flat layouts across the workers of one host through a `SharedSegment`."""
+    """Sums (and gathers) flat layouts across the workers of one host through a `SharedSegment`.
+
+    `mesh` is the host's workers: a `Mesh`, or a `SubMesh` of a larger one.
+    """
 
     def __init__(self, mesh: Mesh, segment: SharedSegment):
         self.mesh, self.segment = mesh, segment
@@ -158,6 +161,34 @@ class SharedMemoryReducer:
             else:
                 self._announce_and_wait(seq, part, layout, connections)
             sum_into(out[start:stop], slots)
+
+    def all_gather(self, seq: int, layout: Layout, bounds: list[int], out: np.ndarray) -> None:
+        """out[bounds[r]:bounds[r + 1]] = worker r's, for every worker r (of `out`'s length).
+
+        Each worker writes only its own slice; every worker copies the others' (no sums).
+        """
+        rank, per_chunk = self.mesh.rank, self.segment.chunk_bytes // layout.dtype.itemsize
+        connections = list(self.mesh.connections.values())
+        # Frame parts of this collective's all-reduce count from 0; these from here.
+        first_part = -(-layout.size // per_chunk)
+        for part, start in enumerate(range(0, layout.size, per_chunk), first_part):
+            stop = min(layout.size, start + per_chunk)
+            generation = self._chunks % 2
+            self._chunks += 1
+            slots = [self.segment.slot(generation, r, layout.dtype, stop - start)
+                     for r in range(self.segment.world)]
+            parts = [(max(bounds[r], start), min(bounds[r + 1], stop))
+                     for r in range(self.segment.world)]
+            low, high = parts[rank]
+            if low < high:
+                slots[rank][low - start:high - start] = out[low:high]
+            if self._polled and (stop - start) * layout.dtype.itemsize <= POLLED_CHUNK_BYTES:
+                self._announce_and_poll(seq, generation, layout)
+            else:
+                self._announce_and_wait(seq, part, layout, connections)
+            for r, (low, high) in enumerate(parts):
+                if r != rank and low < high:
+                    out[low:high] = slots[r][low - start:high - start]
 
     def _announce_and_wait(self, seq, part, layout, connections) -> None:
         if self._polled:  # the line moves on every chunk: a polling peer sees a mismatch

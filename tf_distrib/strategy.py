@@ -254,8 +254,10 @@ def make_strategy(cross_device_ops: tf.distribute.CrossDeviceOps | None = None, 
             packs all gradients into one tensor.
         transport: What carries MWMS's gradient all-reduce (`tf_distrib.transport`):
             "auto" (tf_distrib's transport on CPU workers with one replica each:
-            shared memory when every worker shares this host, else a TCP ring;
-            TensorFlow's collective otherwise, NCCL on GPUs), "tf" (TensorFlow's
+            shared memory when every worker shares this host; shared memory within
+            hosts and TCP rings between them when hosts run the same number of
+            workers; else a TCP ring; TensorFlow's collective otherwise, NCCL on
+            GPUs), "tf" (TensorFlow's
             collective), "shm" or "tcp". Metrics and losses always use TensorFlow's.
             If some worker cannot listen, every worker falls back to "tf" with a
             warning that says why. Defaults to None: the TF_DISTRIB_TRANSPORT

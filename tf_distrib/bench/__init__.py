@@ -22,6 +22,7 @@ BENCHMARKS = {
     "mwms": "tf_distrib.bench.mwms",
     "fit_ops": "tf_distrib.bench.fit_ops",
     "scaling": "tf_distrib.bench.scaling",
+    "cluster": "tf_distrib.bench.cluster",
     "model_parallel": "tf_distrib.bench.model_parallel",
     "gpu": "tf_distrib.bench.gpu",
 }

@@ -1,14 +1,16 @@
-"""The transport's all-reduce across simulated hosts on shaped links: flat ring and hierarchical.
+"""The transport's all-reduce across simulated hosts on shaped links, and a cost model.
 
-2 simulated hosts (`tf_distrib.simulated_hosts`: network namespaces joined through a
-bridge, each host's link shaped with tc tbf) at 1 and 10 Gbit/s; 1 or 2 workers per
-host; the benchmark MLP's gradient (784-1024-1024-10: 1.86M floats, 7.4 MB of float32,
-and its bfloat16 half). Each worker all-reduces it `REPEATS` times after a warm-up; the
-row is the median over repeats of the slowest worker. "link" is the bytes each host
-sends over its link per all-reduce (a flat ring of N workers: 2(N-1)/N of the buffer on
-the one ring edge that leaves the host; hierarchical over H hosts: 2(H-1)/H of it, spread
-over the host's L rings) divided by the time and the link rate: 100% is a link kept busy.
-With 2 workers per host on this 2-core machine, the 4 workers share 2 cores.
+2, 3 and 4 simulated hosts (`tf_distrib.simulated_hosts`: network namespaces joined
+through a bridge, each host's link shaped with tc tbf) at 1 and 10 Gbit/s; 1 worker per
+host, and 2 hosts x 2 workers with the flat ring and the hierarchical all-reduce; the
+benchmark MLP's gradient (784-1024-1024-10: 1.86M floats, 7.4 MB of float32, and its
+bfloat16 half). Each worker all-reduces it `REPEATS` times after a warm-up; the row is
+the median over repeats of the slowest worker. "link use" is the bytes each host sends
+over its link per all-reduce (a flat ring of N workers: 2(N-1)/N of the buffer on the
+one ring edge that leaves the host; hierarchical over H hosts: 2(H-1)/H of it, spread
+over the host's rings) divided by the time and the link rate: 100% is a link kept busy.
+With 4 workers on this 2-core machine, they share the cores. The cost model
+(`calibrate`, `predict`) is fitted on the 2-host rows and printed against the others.
 Needs root (`SimulatedHosts`); skipped, naming what is missing, without it.
 """
 
@@ -23,6 +25,8 @@ import tempfile
 import time
 
 RATES = {"1gbit": 1e9, "10gbit": 10e9}
+# Hosts x 1 worker for the cost model: calibrated on 2 hosts, checked on 3 and 4.
+HOST_COUNTS = (2, 3, 4)
 GRADIENT_FLOATS = 784 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10 + 10
 REPEATS = 20
 # (workers per host, transport mode as connect() takes it)
@@ -77,6 +81,73 @@ def _link_bytes(buffer_bytes: int, hosts: int, per_host: int, mode: str) -> floa
     return 2 * (world - 1) / world * buffer_bytes
 
 
+def calibrate(rows: list[dict]) -> dict:
+    """The cost model's constants from flat-ring rows of one worker per host.
+
+    A ring all-reduce of B bytes over N workers, on links of R bytes/s, takes
+
+        t = 2(N-1) a + 2(N-1)/N B / (e R) + c B
+
+    a: seconds per ring step (a frame's round trip and thread hand-offs), e: the share
+    of the link's rate the ring's TCP streams reach, c: seconds of CPU per byte that do
+    not overlap the network (gathering, summing, copying). A least-squares fit of
+    (a, 1/e, c), the model being linear in them.
+    """
+    import numpy as np
+
+    features = [[2 * (r["hosts"] - 1), 2 * (r["hosts"] - 1) / r["hosts"] * r["bytes"]
+                 / (RATES[r["rate"]] / 8), r["bytes"]] for r in rows]
+    (a, inverse_e, c), *_ = np.linalg.lstsq(np.array(features),
+                                            np.array([r["seconds"] for r in rows]), rcond=None)
+    return {"a": float(a), "e": float(1 / inverse_e), "c": float(c)}
+
+
+def predict(model: dict, workers: int, buffer_bytes: float, link_bits: float,
+            per_host: int = 1, shm_seconds_per_byte: float = 0.0) -> float:
+    """Seconds of one all-reduce by the model: a flat ring, or hierarchical with `per_host`.
+
+    Hierarchical: the host's shared memory (`shm_seconds_per_byte`), then `per_host`
+    rings of H = workers / per_host hosts at once, each on 1/per_host of the bytes,
+    sharing the host's link.
+    """
+    hosts = workers // per_host
+    link = model["e"] * link_bits / 8
+    ring = (2 * (hosts - 1) * model["a"] + 2 * (hosts - 1) / hosts * buffer_bytes / link
+            + model["c"] * buffer_bytes / per_host) if hosts > 1 else 0.0
+    return ring + (shm_seconds_per_byte * buffer_bytes if per_host > 1 else 0.0)
+
+
+# What the projection assumes of each model: gradient floats and compute seconds per step.
+# The MLP's step is one worker's on this host (docs/performance.md); ResNet-50's (25.6M
+# parameters) a GPU-class step of 0.2 s, where the network matters most.
+PROJECTED_MODELS = {"MLP": (GRADIENT_FLOATS, 0.0066), "ResNet-50": (25_600_000, 0.2)}
+PROJECTED_LINKS = {"10 Gbit/s": 10e9, "25 Gbit/s": 25e9, "100 Gbit/s": 100e9}
+PROJECTED_WORKERS = (2, 8, 64, 512)
+PER_HOST = 8
+
+
+def project(model: dict) -> list[dict]:
+    """Scaling efficiency by the model (compute / (compute + all-reduce / K), no overlap)
+    from 2 to 512 workers: flat ring (1 worker per host) and hierarchical (8 per host),
+    float32 and bfloat16, every step (K=1) or every 4th (accumulation, K=4)."""
+    rows = []
+    for name, (floats, compute) in PROJECTED_MODELS.items():
+        for link, bits in PROJECTED_LINKS.items():
+            for scheme, per_host in (("flat", 1), ("hierarchical", PER_HOST)):
+                for dtype, itemsize in (("float32", 4), ("bfloat16", 2)):
+                    for k in (1, 4):
+                        efficiency = {}
+                        for n in PROJECTED_WORKERS:
+                            if n % per_host:
+                                continue
+                            seconds = predict(model, n, floats * itemsize, bits, per_host,
+                                              model["shm_seconds_per_byte"])
+                            efficiency[n] = compute / (compute + seconds / k)
+                        rows.append({"model": name, "link": link, "scheme": scheme,
+                                     "dtype": dtype, "K": k, "efficiency": efficiency})
+    return rows
+
+
 def run(options) -> dict:
     from tf_distrib import simulated_hosts
 
@@ -86,19 +157,54 @@ def run(options) -> dict:
         return {"skipped": why}
     rows = []
     print(f"{'link':>7} {'workers':>8} {'transport':>9} {'dtype':>9} {'ms':>8} {'link use':>9}")
+    layouts = [(n, 1, "tcp") for n in HOST_COUNTS] + [(2, p, m) for p, m in LAYOUTS if p > 1]
     for rate, bits in RATES.items():
-        with simulated_hosts.SimulatedHosts(2, rate) as hosts:
-            for per_host, mode in LAYOUTS:
-                for dtype_name, itemsize in (("float32", 4), ("bfloat16", 2)):
-                    got = _measure(hosts, per_host, mode, dtype_name)
-                    sent = _link_bytes(GRADIENT_FLOATS * itemsize, 2, per_host, got["mode"])
-                    use = sent * 8 / got["seconds"] / bits
-                    rows.append({"rate": rate, "workers": f"2x{per_host}", "mode": got["mode"],
-                                 "dtype": dtype_name, "seconds": got["seconds"],
-                                 "link_use": use})
-                    print(f"{rate:>7} {'2x' + str(per_host):>8} {got['mode']:>9} "
-                          f"{dtype_name:>9} {got['seconds'] * 1e3:8.1f} {use:9.0%}", flush=True)
-    return {"gradient_floats": GRADIENT_FLOATS, "repeats": REPEATS, "rows": rows}
+        for n in sorted({n for n, _, _ in layouts}):
+            with simulated_hosts.SimulatedHosts(n, rate) as hosts:
+                for per_host, mode in [(p, m) for h, p, m in layouts if h == n]:
+                    for dtype_name, itemsize in (("float32", 4), ("bfloat16", 2)):
+                        rows.append(_row(hosts, rate, bits, per_host, mode, dtype_name,
+                                         GRADIENT_FLOATS * itemsize))
+    flat = [r for r in rows if r["per_host"] == 1]
+    model = calibrate([r for r in flat if r["hosts"] == 2])
+    hierarchical = [r for r in rows if r["mode"] == "shm+tcp"]
+    # The shared-memory part, per byte: what the hierarchical rows take beyond their rings.
+    model["shm_seconds_per_byte"] = statistics.median(
+        (r["seconds"] - predict(model, r["hosts"] * r["per_host"], r["bytes"],
+                                RATES[r["rate"]], r["per_host"])) / r["bytes"]
+        for r in hierarchical) if hierarchical else 0.0
+    print(f"cost model from the 2-host rows: a = {model['a'] * 1e6:.0f} us per ring step, "
+          f"e = {model['e']:.0%} of the link, c = {model['c'] * 1e9:.2f} ns/byte of CPU, "
+          f"shared memory {model['shm_seconds_per_byte'] * 1e9:.2f} ns/byte")
+    for r in rows:
+        r["predicted_seconds"] = predict(model, r["hosts"] * r["per_host"], r["bytes"],
+                                         RATES[r["rate"]], r["per_host"] if r["mode"] ==
+                                         "shm+tcp" else 1, model["shm_seconds_per_byte"])
+        print(f"  {r['rate']:>7} {r['hosts']}x{r['per_host']} {r['mode']:>8} {r['dtype']:>9}: "
+              f"measured {r['seconds'] * 1e3:6.1f} ms, predicted "
+              f"{r['predicted_seconds'] * 1e3:6.1f} ms "
+              f"({r['predicted_seconds'] / r['seconds'] - 1:+.0%})")
+    projection = project(model)
+    print("projected scaling efficiency (compute / step), workers: "
+          + " ".join(f"{n:>6}" for n in PROJECTED_WORKERS))
+    for p in projection:
+        cells = " ".join(f"{p['efficiency'][n]:6.0%}" if n in p["efficiency"] else f"{'-':>6}"
+                         for n in PROJECTED_WORKERS)
+        print(f"  {p['model']:<9} {p['link']:<10} {p['scheme']:<12} {p['dtype']:<8} "
+              f"K={p['K']}: {cells}")
+    return {"gradient_floats": GRADIENT_FLOATS, "repeats": REPEATS, "rows": rows,
+            "model": model, "projection": projection}
+
+
+def _row(hosts, rate, bits, per_host, mode, dtype_name, buffer_bytes) -> dict:
+    n = len(hosts.addresses)
+    got = _measure(hosts, per_host, mode, dtype_name)
+    use = _link_bytes(buffer_bytes, n, per_host, got["mode"]) * 8 / got["seconds"] / bits
+    print(f"{rate:>7} {f'{n}x{per_host}':>8} {got['mode']:>9} {dtype_name:>9} "
+          f"{got['seconds'] * 1e3:8.1f} {use:9.0%}", flush=True)
+    return {"rate": rate, "hosts": n, "per_host": per_host, "mode": got["mode"],
+            "dtype": dtype_name, "bytes": buffer_bytes, "seconds": got["seconds"],
+            "link_use": use}
 
 
 if __name__ == "__main__":

@@ -163,6 +163,25 @@ def test_a_long_partition_names_the_lost_host_and_the_job_resumes_bitwise(
         np.testing.assert_array_equal(got, want)
 
 
+def test_a_lost_host_leaves_the_job_to_the_other_which_resumes_from_the_backup(
+        tmp_path, two_hosts_uninterrupted):
+    with SimulatedHosts(2) as hosts:
+        launchers = _launch(hosts, tmp_path, launcher_args=[
+            "--min-hosts", "1", "--rendezvous-timeout", "5", "--max-restarts", "2"],
+            job_args=[*LONG, "--backup-dir", str(tmp_path / "backup")])
+        _wait_for_backup(tmp_path / "backup", launchers)
+        hosts.kill(1)  # every process of host 1, its launcher included
+        output = launchers[0].finish(400)
+    assert launchers[0].process.returncode == 0, output
+    log = _log(tmp_path, 0, attempt=0)
+    assert "worker:1 (198.18.0.2:" in log or "/job:worker/replica:0/task:1" in log, log[-3000:]
+    assert "198.18.0.2" in output and "after 1 restart(s)" in output, output
+    # 1 worker on the global batch from the backup on: the same examples, summed in
+    # another order.
+    for got, want in zip(_weights(tmp_path, 0), two_hosts_uninterrupted, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
 STRANGER_JOB = """
 import json, os, socket, sys, time
 import numpy as np

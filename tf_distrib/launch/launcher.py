@@ -300,6 +300,11 @@ def _attempts(group: _Group, slots: membership.Slots, rendezvous: _Rendezvous,
             if round_number < 0:  # the job finished while this host waited
                 return LaunchResult(0, attempts)
             regrow = rendezvous.regrow_check(round_number)
+            left_out = [group.hosts[h] for h in range(len(group.hosts)) if h not in members]
+            if left_out:
+                _say(stderr, f"attempt {len(attempts)} runs on {len(members)} of "
+                             f"{len(group.hosts)} hosts; left out (not joined within the "
+                             f"rendezvous timeout): {', '.join(left_out)}")
         elif group.hosts:
             members, regrow = list(range(len(group.hosts))), None
         else:

@@ -11,6 +11,10 @@ one ring edge that leaves the host; hierarchical over H hosts: 2(H-1)/H of it, s
 over the host's rings) divided by the time and the link rate: 100% is a link kept busy.
 With 4 workers on this 2-core machine, they share the cores. The cost model
 (`calibrate`, `predict`) is fitted on the 2-host rows and printed against the others.
+Then `fit` on 2 hosts x 1 worker (TensorFlow's collective, tf_distrib, tf_distrib with
+bf16) against one worker on one core, and how much of the all-reduce hid behind the
+backward pass ("hidden": (one worker's step + the all-reduce alone - the step) / the
+all-reduce alone). PyTorch DDP is not in this benchmark.
 Needs root (`SimulatedHosts`); skipped, naming what is missing, without it.
 """
 
@@ -55,6 +59,42 @@ def _worker(store: str, rank: int, world: int, host: str, mode: str, dtype_name:
         print(json.dumps({"mode": t.mode, "seconds": seconds}), flush=True)
     finally:
         t.close()
+
+
+# `fit` across the hosts: the scaling benchmark's job (tf_distrib.bench.scaling), one
+# worker per host pinned to its own core, against one worker alone on one core.
+FIT_SETTINGS = {"TF collective": {"transport": "tf"}, "tf_distrib": {},
+                "tf_distrib + bf16": {"compression": "bf16"}}
+_PORT = 29400
+
+
+def _fit_worker(settings_json: str) -> None:
+    """`fit` of the scaling job under `tf-distrib launch` (or alone); prints examples/s."""
+    from tf_distrib.bench import scaling
+
+    os.environ.setdefault("TF_DISTRIB_WORKER_INDEX", "0")
+    os.environ.setdefault("TF_DISTRIB_NUM_WORKERS", "1")
+    rate = scaling._worker(json.loads(settings_json), None)
+    print(f"examples_per_sec={rate}", flush=True)
+
+
+def _fit_rate(hosts, settings: dict | None) -> float:
+    """Global examples/s of the scaling job: on every host (one launcher each), or on
+    host 0 alone (`settings` None)."""
+    spec = ",".join(f"{address}:{_PORT}" for address in hosts.addresses)
+    job = ["-m", __name__, "fit", json.dumps(settings or {})]
+    commands = ([[sys.executable, *job]] if settings is None else
+                [[sys.executable, "-m", "tf_distrib.launch", "-n", "1", "--hosts", spec,
+                  "--host-index", str(i), "--timeout", "600", *job]
+                 for i in range(len(hosts.addresses))])
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    processes = [hosts.run(i, command, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+                 for i, command in enumerate(commands)]
+    outputs = [p.communicate(timeout=900)[0] for p in processes]
+    if any(p.returncode for p in processes):
+        raise RuntimeError("a benchmark job failed:\n" + "\n".join(o[-3000:] for o in outputs))
+    return float(outputs[0].rsplit("examples_per_sec=", 1)[1].split()[0])
 
 
 def _measure(hosts, per_host: int, mode: str, dtype_name: str) -> dict:
@@ -184,6 +224,7 @@ def run(options) -> dict:
               f"measured {r['seconds'] * 1e3:6.1f} ms, predicted "
               f"{r['predicted_seconds'] * 1e3:6.1f} ms "
               f"({r['predicted_seconds'] / r['seconds'] - 1:+.0%})")
+    fit_rows = _fit_rows(rows)
     projection = project(model)
     print("projected scaling efficiency (compute / step), workers: "
           + " ".join(f"{n:>6}" for n in PROJECTED_WORKERS))
@@ -193,7 +234,39 @@ def run(options) -> dict:
         print(f"  {p['model']:<9} {p['link']:<10} {p['scheme']:<12} {p['dtype']:<8} "
               f"K={p['K']}: {cells}")
     return {"gradient_floats": GRADIENT_FLOATS, "repeats": REPEATS, "rows": rows,
-            "model": model, "projection": projection}
+            "model": model, "projection": projection, "fit": fit_rows}
+
+
+def _fit_rows(rows: list[dict]) -> list[dict]:
+    """`fit` on 2 hosts x 1 worker per link rate and setting, scaling and overlap."""
+    from tf_distrib import simulated_hosts
+    from tf_distrib.bench import scaling
+
+    print(f"fit, MLP 784-1024-1024-10, {scaling.PER_WORKER_BATCH} examples per worker per "
+          "step, 2 hosts x 1 worker (one core each) against 1 worker on one core")
+    print(f"  {'link':>7} {'setting':<20}{'examples/s':>11}{'scaling':>9}{'hidden':>8}")
+    fit_rows = []
+    for rate in RATES:
+        with simulated_hosts.SimulatedHosts(2, rate) as hosts:
+            one = _fit_rate(hosts, None)
+            for name, settings in FIT_SETTINGS.items():
+                examples = _fit_rate(hosts, settings)
+                # How much of the all-reduce hid behind computation: step time against
+                # one worker's step plus the transport's all-reduce alone (its row).
+                dtype = "bfloat16" if settings.get("compression") else "float32"
+                alone = next(r["seconds"] for r in rows if r["rate"] == rate and
+                             r["hosts"] == 2 and r["per_host"] == 1 and r["dtype"] == dtype)
+                step = 2 * scaling.PER_WORKER_BATCH / examples
+                compute = scaling.PER_WORKER_BATCH / one
+                hidden = (None if settings.get("transport") == "tf"
+                          else max(0.0, (compute + alone - step) / alone))
+                fit_rows.append({"rate": rate, "setting": name, "examples_per_sec": examples,
+                                 "scaling": examples / one, "one_worker": one,
+                                 "hidden": hidden})
+                print(f"  {rate:>7} {name:<20}{examples:>11.0f}{examples / one:>8.2f}x"
+                      + (f"{hidden:>8.0%}" if hidden is not None else f"{'':>8}"),
+                      flush=True)
+    return fit_rows
 
 
 def _row(hosts, rate, bits, per_host, mode, dtype_name, buffer_bytes) -> dict:
@@ -211,6 +284,8 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["worker"]:
         store, rank, world, host, mode, dtype_name = sys.argv[2:]
         _worker(store, int(rank), int(world), host, mode, dtype_name)
+    elif sys.argv[1:2] == ["fit"]:
+        _fit_worker(sys.argv[2])
     else:
         print(json.dumps(run(None)))
     sys.exit(os.EX_OK)

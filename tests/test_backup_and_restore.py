@@ -516,3 +516,33 @@ def test_large_arrays_start_on_a_block_in_the_state_file(tmp_path, monkeypatch, 
     assert [e["offset"] for e in manifest["arrays"]] == [0, 4096, 4096 + (1 << 20)]
     for name, value in arrays:
         np.testing.assert_array_equal(restored[name], value)
+
+
+def _train_with_a_directory_per_worker(root):
+    import keras
+    import numpy as np
+
+    import tf_distrib as td
+
+    strategy = td.make_strategy()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+    x = np.ones((64, 4), "float32")
+    own = os.path.join(root, os.environ["TF_DISTRIB_WORKER_INDEX"])  # as on each host's disk
+    try:
+        model.fit(x, x[:, :1], batch_size=16, verbose=0,
+                  callbacks=[td.callbacks.BackupAndRestore(own)])
+    except ValueError as e:
+        return str(e)
+    return "trained"
+
+
+@pytest.mark.multiprocess
+def test_a_backup_directory_that_is_not_shared_is_refused_naming_the_workers(tmp_path):
+    workers = run_workers(_train_with_a_directory_per_worker, 2, args=(str(tmp_path),),
+                          quiet=True, timeout=180)
+    for worker in workers:
+        assert "worker:1 cannot see the files the chief writes" in worker.value
+        assert f"backup_dir {tmp_path}/" in worker.value and "shared file system" in worker.value
+    assert not any(p.name.startswith(".tf_distrib-probe") for p in (tmp_path / "0").iterdir())

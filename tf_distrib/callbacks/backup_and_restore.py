@@ -11,6 +11,7 @@ import tensorflow as tf
 
 from tf_distrib import _compat, data, phases, watchdog
 from tf_distrib._checks import check_int, is_int
+from tf_distrib.callbacks import shared_directory
 from tf_distrib.callbacks.background_save import BackgroundSave
 from tf_distrib.callbacks.backup_store import BackupStore
 from tf_distrib.callbacks.host_snapshot import HostSnapshot
@@ -29,7 +30,8 @@ class BackupAndRestore(keras.callbacks.Callback):
       and the step within it.
     - **Multi-worker safe**: every worker takes part in a save (reading the metrics
       sums them across workers) and only the chief writes it; all workers share one
-      `backup_dir`.
+      `backup_dir`, which `fit` checks at its start: a directory some worker cannot see
+      (a path on each host's own disk) raises ValueError naming the workers.
     - **Asynchronous** (`async_save=True`): the training thread only copies the
       state into host memory kept from one save to the next (529 MB take about
       0.03 s); the checksum, the write (on a local disk, past the page cache) and
@@ -153,6 +155,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._global_step = self._epoch = self._step_in_epoch = self._skip = 0
         self._skipped_last_call = self._save_due = False
         self.restored_step = self._saved_step = None
+        if _is_multi_worker(strategy):
+            shared_directory.check(self.backup_dir, strategy)
         with phases.entered(phases.RESTORING):
             restored = self._store.read_latest()
             if restored is not None:

@@ -58,6 +58,7 @@ def _index(calls, name, test):
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("strace") is None,
                     reason="needs strace (apt-get install strace; `make system-deps`)")
 @pytest.mark.parametrize("mode", ["buffered", "direct"])

@@ -65,7 +65,7 @@ def draw(rng: random.Random, kinds=FAULT_KINDS) -> list[Fault]:
     for kind in sorted(chosen, key=lambda k: k == "full_disk"):
         worker, step, detail = rng.randrange(2), rng.randint(2, 64 if attempt == 0 else 20), ""
         if kind == "startup":
-            detail = f"{rng.choice(STARTUP_PHASES)}/{rng.choice(['kill', 'stop'])}"
+            step, detail = 0, f"{rng.choice(STARTUP_PHASES)}/{rng.choice(['kill', 'stop'])}"
         elif kind == "kill_in_write":
             worker, step = 0, rng.randint(1, 3)  # the chief writes
         elif kind == "full_disk":

@@ -71,10 +71,10 @@ class Transport:
       each): the workers of a host sum through their host's segment; each then owns
       1/L of the host's sum and ring-all-reduces it with the workers of the same
       local index on the other hosts (L rings at once, each on 1/L of the bytes, so
-      every worker's link and core share the network part); then each copies the
-      other slices from its host's segment. Bytes cross the network 2(H-1)/H times
-      per host and slice (H hosts), as a flat ring's would per worker, but on L
-      links at once and never between two workers of one host.
+      every core of the host drives part of the network traffic); then each copies
+      the other slices from its host's segment. Each host sends 2(H-1)/H of the
+      buffer over its link for H hosts, against 2(N-1)/N for a flat ring of all N
+      workers, and nothing goes over TCP between two workers of one host.
 
     Every worker must call `all_reduce` with arrays of the same shapes and dtype, in
     the same order. Sums are bitwise identical on every worker.

@@ -7,6 +7,8 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 import warnings
 
 import keras
@@ -19,29 +21,39 @@ _SAVE_TWO_BACKUPS = textwrap.dedent("""
     import sys
     import numpy as np
     from tf_distrib.callbacks import backup_store
-    if sys.argv[2] == "direct":  # the path of large states, past the page cache
-        backup_store._DIRECT_FROM_BYTES = 1
-    store = backup_store.BackupStore(sys.argv[1], keep=1)
-    for step in (1, 2):
-        store.write(step, [("w", np.full(3000, step, np.float32))], {})
+    for directory, threshold in (sys.argv[1], None), (sys.argv[2], 1):
+        if threshold:  # the path of large states, past the page cache (O_DIRECT)
+            backup_store._DIRECT_FROM_BYTES = threshold
+        store = backup_store.BackupStore(directory, keep=1)
+        for step in (1, 2):
+            store.write(step, [("w", np.full(3000, step, np.float32))], {})
 """)
 _CALL = re.compile(r"^\d+\s+(\w+)\((.*)\)\s+=\s+(-?\d+)")
 _FD_PATH = re.compile(r"^\d+<([^>]*)>")
 
 
-def _traced_calls(backup_dir, mode, tmp_path):
-    """The save's file-system calls in the order they returned: (call, path, other path)."""
-    trace = tmp_path / "trace"
+@pytest.fixture(scope="module")
+def traced_saves(tmp_path_factory):
+    """Two saves each into "buffered/" and "direct/", traced: (trace lines, root)."""
+    if shutil.which("strace") is None:
+        pytest.skip("needs strace (apt-get install strace; `make system-deps`)")
+    root = tmp_path_factory.mktemp("durable")
+    trace = root / "trace"
     subprocess.run(
         ["strace", "-f", "-qq", "-y", "-o", str(trace), "-e",
          "trace=openat,write,pwrite64,fsync,fdatasync,rename,renameat,renameat2,"
          "unlink,unlinkat,rmdir", sys.executable, "-c", _SAVE_TWO_BACKUPS,
-         str(backup_dir), mode],
+         str(root / "buffered"), str(root / "direct")],
         check=True, capture_output=True, timeout=120)
-    calls = []
-    for line in trace.read_text().splitlines():
+    return trace.read_text().splitlines(), root
+
+
+def _calls(lines, backup_dir):
+    """The save's file-system calls in the order they returned: (call, path, other path)."""
+    calls, mine = [], re.compile(re.escape(str(backup_dir)) + r'[/>"]')
+    for line in lines:
         match = _CALL.match(line)
-        if not match or int(match[3]) < 0 or str(backup_dir) not in line:
+        if not match or int(match[3]) < 0 or not mine.search(line):
             continue
         name, args = match[1], match[2]
         paths = re.findall(r'"([^"]*)"', args)
@@ -59,13 +71,12 @@ def _index(calls, name, test):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("strace") is None,
-                    reason="needs strace (apt-get install strace; `make system-deps`)")
 @pytest.mark.parametrize("mode", ["buffered", "direct"])
 def test_a_save_makes_data_durable_before_its_manifest_and_deletes_old_backups_last(
-        tmp_path, mode):
-    backup_dir = tmp_path / "backups"
-    calls = _traced_calls(backup_dir, mode, tmp_path)
+        traced_saves, mode):
+    lines, root = traced_saves
+    backup_dir = root / mode
+    calls = _calls(lines, backup_dir)
     new = f"{backup_dir}/backup-000000000002"
     old = f"{backup_dir}/backup-000000000001"
     state, manifest = f"{new}/state.bin", f"{new}/manifest.json"
@@ -216,11 +227,22 @@ def test_a_failed_save_is_named_keeps_the_previous_backup_and_training_goes_on(
         assert sorted(os.listdir(backup_dir)) == ["backup-000000000012", "backup-000000000016"]
 
 
+def _remove_when_written(backup_dir):
+    """Deletes the directory once the backup thread is done with it (not under its feet)."""
+    from tf_distrib.callbacks.background_save import THREAD_NAME
+
+    deadline = time.monotonic() + 30
+    while any(t.name == THREAD_NAME for t in threading.enumerate()):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    shutil.rmtree(backup_dir)
+
+
 @pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
 def test_a_backup_directory_removed_while_training_is_made_again(tmp_path, async_save):
     backup_dir = tmp_path / "backups"
     with pytest.warns(RuntimeWarning, match=f"{backup_dir} has disappeared"):
-        _fit(backup_dir, _Fault(lambda: shutil.rmtree(backup_dir), lambda: None),
+        _fit(backup_dir, _Fault(lambda: _remove_when_written(backup_dir), lambda: None),
              async_save=async_save)
     assert _newest_usable(backup_dir) == 16
 

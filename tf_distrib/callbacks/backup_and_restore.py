@@ -287,14 +287,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self._global_step == self._saved_step:  # batch end and epoch end of one step
             return
         self._saved_step = step = self._global_step
+        # convert_to_tensor also reads metrics' SyncOnRead variables (summed over replicas
+        # and workers: every worker takes part), which keras.ops.convert_to_numpy cannot.
+        # Those are collectives: the watchdog keeps watching them (a stuck peer).
+        values = [(name, tf.convert_to_tensor(v.value)) for name, v in self._named_variables()]
+        if not self._is_chief:
+            return
         with watchdog.paused("saving a backup"):
-            # convert_to_tensor also reads metrics' SyncOnRead variables (summed over
-            # replicas and workers: every worker takes part), which
-            # keras.ops.convert_to_numpy cannot.
-            values = [(name, tf.convert_to_tensor(v.value))
-                      for name, v in self._named_variables()]
-            if not self._is_chief:
-                return
             metadata = {"epoch": self._epoch, "step_in_epoch": self._step_in_epoch,
                         "steps_per_epoch": self.params.get("steps")}
             # np.asarray views a CPU tensor's buffer (read-only; .numpy() copies it).

@@ -51,6 +51,8 @@ class Kind(enum.IntEnum):
     BYE = 9
 
 
+# Frames that carry nothing: a length (or numbers) there would desynchronize the stream.
+_EMPTY = frozenset({Kind.WELCOME, Kind.HEARTBEAT, Kind.BYE})
 _HANDSHAKE_PAYLOAD = {Kind.HELLO: 4 + NONCE_BYTES, Kind.CHALLENGE: NONCE_BYTES + MAC_BYTES,
                       Kind.PROOF: MAC_BYTES, Kind.WELCOME: 0}
 
@@ -73,6 +75,9 @@ def parse_header(raw: bytes, peer: Peer) -> tuple[Kind, int, int, int]:
         kind = Kind(kind)
     except ValueError:
         raise ProtocolError(f"{peer} sent a frame of unknown kind {kind}.") from None
+    if kind in _EMPTY and (length or seq or part):
+        raise ProtocolError(f"{peer} sent a {kind.name} frame with numbers or a payload "
+                            f"({seq}/{part}, {length} bytes); such frames have none.")
     if kind != Kind.DATA and length > MAX_CONTROL_PAYLOAD:
         raise ProtocolError(f"{peer} sent a {kind.name} frame of {length} bytes, more than "
                             f"the {MAX_CONTROL_PAYLOAD} such frames may have.")

@@ -69,7 +69,8 @@ class BackupAndRestore(keras.callbacks.Callback):
       left behind is deleted, the previous backup stays the newest, and training goes
       on. After `max_failed_saves` failed saves in a row, `fit` raises `BackupError`.
       A backup directory that disappears while training is made again, with a warning.
-    - **Hang watchdog**: saving pauses `tf_distrib.watchdog`.
+    - **Hang watchdog**: the chief's write pauses `tf_distrib.watchdog`; the
+      collective reads of a save stay watched.
 
     Args:
         backup_dir: Directory for the backups, shared by all workers (local path or

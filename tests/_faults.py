@@ -2,8 +2,9 @@
 
 import os
 import signal
-import threading
 import time
+
+from tf_distrib.chaos.faults import signal_on_entering
 
 STEPS_PER_EPOCH = 32
 
@@ -20,15 +21,15 @@ def train(backup_dir=None, epochs=3, stall_at=None, stall_in="callback", stop_at
         slow_worker: This worker's input pipeline takes `slow_seconds` longer per step.
         slow_save: Each backup takes this many seconds longer to write.
         stop_in: Worker 1 sends itself SIGSTOP as it enters this start-up phase
-            (`tf_distrib.phases`); in "cluster", 1 s after it, while it waits for worker 0,
-            which starts 3 s late.
+            (`tf_distrib.phases`); in "cluster", 0.5 s after it, while it waits for
+            worker 0, which starts 3 s late.
         slow_start: Worker 1 sleeps this many seconds before `make_strategy`.
     """
     index = int(os.environ["TF_DISTRIB_WORKER_INDEX"])
     first_attempt = os.environ.get("TF_DISTRIB_ATTEMPT", "0") == "0"
     misbehaves = first_attempt and index == 1
     if misbehaves and stop_in is not None:
-        _stop_in_phase(stop_in)
+        signal_on_entering(stop_in, signal.SIGSTOP)
     if first_attempt and stop_in == "cluster" and index == 0:
         time.sleep(3)
     if misbehaves and slow_start:
@@ -88,24 +89,3 @@ def train(backup_dir=None, epochs=3, stall_at=None, stall_in="callback", stop_at
     return {"weights": [w.numpy() for w in model.weights],
             "restored_step": backup.restored_step if backup else None,
             "history": history.history}
-
-
-def _stop_in_phase(phase):
-    """SIGSTOPs this process as it enters `phase` (at once for "starting")."""
-    from tf_distrib import phases
-
-    def stop():
-        os.kill(os.getpid(), signal.SIGSTOP)
-
-    if phase == phases.STARTING:
-        stop()
-    enter = phases.enter
-
-    def enter_and_stop(entered):
-        enter(entered)
-        if entered == phase == phases.CLUSTER:
-            threading.Timer(1.0, stop).start()  # inside TensorFlow's rendezvous
-        elif entered == phase:
-            stop()
-
-    phases.enter = enter_and_stop

@@ -1,6 +1,5 @@
 """Backups survive a power loss: the order of a save's system calls, and storage faults."""
 
-import contextlib
 import os
 import re
 import shutil
@@ -16,6 +15,7 @@ import pytest
 
 import tf_distrib as td
 from tf_distrib.callbacks.backup_store import BackupStore
+from tf_distrib.chaos.faults import fill
 
 _SAVE_TWO_BACKUPS = textwrap.dedent("""
     import sys
@@ -122,14 +122,6 @@ def disk(tmp_path):
     subprocess.run(["umount", "--lazy", str(path)], check=True)
 
 
-def _fill(disk):
-    fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)
-    with contextlib.suppress(OSError):  # ENOSPC: full
-        for _ in range(1 << 20):
-            os.write(fd, bytes(4096))
-    os.close(fd)
-
-
 def _remount(disk, mode):
     subprocess.run(["mount", "-o", f"remount,{mode}", str(disk)], check=True)
 
@@ -148,7 +140,7 @@ def _unstall(backup_dir, readers):
 
 # fault: (inject(disk, backup_dir, readers), undo(...), what the warning says)
 FAULTS = {
-    "full disk": (lambda d, b, r: _fill(d), lambda d, b, r: os.remove(d / "filler"),
+    "full disk": (lambda d, b, r: fill(str(d / "filler")), lambda d, b, r: os.remove(d / "filler"),
                   "No space left on device"),
     "read-only": (lambda d, b, r: _remount(d, "ro"), lambda d, b, r: _remount(d, "rw"),
                   "Read-only file system"),

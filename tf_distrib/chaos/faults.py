@@ -85,7 +85,8 @@ def inject(faults: list[Fault], attempt: int, worker: int, backup_dir: str) -> l
     callbacks = []
     for fault in mine:
         if fault.kind == "startup":
-            _in_startup_phase(*fault.detail.split("/"))
+            phase, action = fault.detail.split("/")
+            signal_on_entering(phase, signal.SIGKILL if action == "kill" else signal.SIGSTOP)
         elif fault.kind == "kill_in_write":
             _kill_in_write(fault.step)
         elif fault.kind == "kill_in_collective":
@@ -99,10 +100,14 @@ def _signal_self(sig: int) -> None:
     os.kill(os.getpid(), sig)
 
 
-def _in_startup_phase(phase: str, action: str) -> None:
+def signal_on_entering(phase: str, sig: int) -> None:
+    """Sends this process `sig` as it enters start-up `phase` (`tf_distrib.phases`).
+
+    At once for "starting"; for "cluster", half a second in, while TensorFlow's
+    rendezvous waits for the other workers.
+    """
     from tf_distrib import phases
 
-    sig = signal.SIGKILL if action == "kill" else signal.SIGSTOP
     if phase == phases.STARTING:
         _signal_self(sig)
     enter = phases.enter
@@ -177,7 +182,7 @@ def _at_step(fault: Fault, backup_dir: str):
             if self.trained != fault.step:
                 return
             if fault.kind == "full_disk":
-                _fill(filler)
+                fill(filler)
                 self.full_until = (step // SAVE_EVERY + 1) * SAVE_EVERY  # the next save
             else:
                 _signal_self({"sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP,
@@ -186,8 +191,8 @@ def _at_step(fault: Fault, backup_dir: str):
     return AtStep()
 
 
-def _fill(path: str) -> None:
-    """Writes `path` until its file system is full (ENOSPC), at most 1 GiB."""
+def fill(path: str) -> None:
+    """Writes the file `path` until its file system is full (ENOSPC), at most 1 GiB."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
     try:
         for _ in range(1 << 18):

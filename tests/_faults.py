@@ -11,7 +11,7 @@ STEPS_PER_EPOCH = 32
 
 def train(backup_dir=None, epochs=3, stall_at=None, stall_in="callback", stop_at=None,
           slow_worker=None, slow_seconds=0.05, slow_save=None, hang_timeout=None,
-          stop_in=None, slow_start=None):
+          stop_in=None, slow_start=None, plain=False):
     """Trains the blobs MLP on 2+ workers; on the first attempt, worker 1 misbehaves.
 
     Args:
@@ -24,6 +24,8 @@ def train(backup_dir=None, epochs=3, stall_at=None, stall_in="callback", stop_at
             (`tf_distrib.phases`); in "cluster", 0.5 s after it, while it waits for
             worker 0, which starts 3 s late.
         slow_start: Worker 1 sleeps this many seconds before `make_strategy`.
+        plain: Pass `fit` a batched, finite `tf.data.Dataset` (as Keras' tutorials do)
+            instead of `td.data.distribute_dataset`'s.
     """
     index = int(os.environ["TF_DISTRIB_WORKER_INDEX"])
     first_attempt = os.environ.get("TF_DISTRIB_ATTEMPT", "0") == "0"
@@ -65,7 +67,11 @@ def train(backup_dir=None, epochs=3, stall_at=None, stall_in="callback", stop_at
         source = source.enumerate().map(
             lambda i, e: (tf.numpy_function(pause, [i], tf.int64), e)).map(lambda i, e: e)
 
-    dataset = td.data.distribute_dataset(strategy, source, 64, repeat=True)
+    if plain:
+        dataset, steps = source.batch(64), None
+    else:
+        dataset = td.data.distribute_dataset(strategy, source, 64, repeat=True)
+        steps = STEPS_PER_EPOCH
     callbacks = [td.callbacks.Throughput(64)]
     backup = None
     if backup_dir:
@@ -84,7 +90,7 @@ def train(backup_dir=None, epochs=3, stall_at=None, stall_in="callback", stop_at
                     time.sleep(10_000)
 
         callbacks.append(Stall())
-    history = model.fit(dataset, epochs=epochs, steps_per_epoch=STEPS_PER_EPOCH, verbose=0,
+    history = model.fit(dataset, epochs=epochs, steps_per_epoch=steps, verbose=0,
                         callbacks=callbacks)
     return {"weights": [w.numpy() for w in model.weights],
             "restored_step": backup.restored_step if backup else None,

@@ -13,9 +13,10 @@ every step. Plain Keras without a strategy never builds that kernel. Measured on
 
 The strategies of `make_strategy()` set the threshold to glibc's maximum (32 MiB; trim
 threshold twice that, as glibc's dynamic rule would) each time TensorFlow has built one
-of their input iterators. `TF_DISTRIB_MMAP_THRESHOLD` sets another threshold in bytes;
-0 keeps TensorFlow's (its patch limits heap growth in `Dataset.from_generator`
-pipelines under Python 3.11+). glibc only; elsewhere nothing changes.
+of their input iterators (`tf_distrib._input_iterators`). `TF_DISTRIB_MMAP_THRESHOLD`
+sets another threshold in bytes; 0 keeps TensorFlow's (its patch limits heap growth in
+`Dataset.from_generator` pipelines under Python 3.11+). glibc only; elsewhere nothing
+changes.
 """
 
 from __future__ import annotations
@@ -64,29 +65,3 @@ def restore_threshold() -> bool:
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, value)) and bool(mallopt(_M_TRIM_THRESHOLD,
                                                                     2 * value))
-
-
-# Distributed dataset class -> its subclass whose iterators restore the threshold.
-_RESTORING: dict[type, type] = {}
-
-
-def restoring_threshold(dataset):
-    """`dataset` (a distributed dataset), made to restore the threshold after `iter()`.
-
-    Its class becomes a subclass of its own, so `isinstance` checks (Keras' data
-    adapters make them) still hold.
-    """
-    cls = type(dataset)
-    if cls not in _RESTORING.values():
-        dataset.__class__ = _RESTORING.get(cls) or _RESTORING.setdefault(
-            cls, _restoring_subclass(cls))
-    return dataset
-
-
-def _restoring_subclass(cls: type) -> type:
-    def __iter__(self):
-        iterator = cls.__iter__(self)
-        restore_threshold()
-        return iterator
-
-    return type(cls.__name__, (cls,), {"__iter__": __iter__, "__module__": cls.__module__})

@@ -26,7 +26,7 @@ import warnings
 
 import tensorflow as tf
 
-from tf_distrib import _compat, _malloc, contract, cross_device, optimizer_hooks, phases
+from tf_distrib import _compat, _input_iterators, contract, cross_device, optimizer_hooks, phases
 from tf_distrib import cluster as cluster_lib
 from tf_distrib import transport as transport_lib
 from tf_distrib import watchdog as watchdog_lib
@@ -81,19 +81,34 @@ def use_logical_cpus(n: int) -> None:
         ) from e
 
 
-class _KeepsStepBuffers:
-    """A strategy whose input iterators keep glibc's large buffers mapped (`_malloc`)."""
+class _HostInput:
+    """A strategy's input iterators as CPU workers want them.
+
+    They keep glibc's large buffers mapped (`_malloc`), and, when every device of this
+    worker is a CPU, they do not prefetch each replica's batch onto its device: TF's
+    distributed iterators do that through a MultiDeviceIterator, but CPU devices share
+    host memory, so the copy buys nothing and costs 10-20% of the step rate (measured:
+    `make bench`). A caller's own `InputOptions` are kept as given.
+    """
+
+    _HOST_INPUT = tf.distribute.InputOptions(experimental_fetch_to_device=False)
+
+    def _input_options(self, options):
+        if options is None and all(tf.DeviceSpec.from_string(d).device_type == "CPU"
+                                   for d in self.extended.worker_devices):
+            return self._HOST_INPUT
+        return options
 
     def experimental_distribute_dataset(self, dataset, options=None):
-        return _malloc.restoring_threshold(
-            super().experimental_distribute_dataset(dataset, options))
+        return _input_iterators.managed(
+            super().experimental_distribute_dataset(dataset, self._input_options(options)))
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
-        return _malloc.restoring_threshold(
-            super().distribute_datasets_from_function(dataset_fn, options))
+        return _input_iterators.managed(
+            super().distribute_datasets_from_function(dataset_fn, self._input_options(options)))
 
 
-class KerasMultiWorkerMirroredStrategy(_KeepsStepBuffers,
+class KerasMultiWorkerMirroredStrategy(_HostInput,
                                        tf.distribute.MultiWorkerMirroredStrategy):
     """MultiWorkerMirroredStrategy that Keras 3's `fit`, `evaluate` and `predict` can use.
 
@@ -120,7 +135,8 @@ class KerasMultiWorkerMirroredStrategy(_KeepsStepBuffers,
 
     Like `HostMirroredStrategy`, it keeps glibc's mmap threshold where it was before
     TensorFlow's input iterators lowered it to 128 KiB (`tf_distrib._malloc`: 9% of a
-    CPU worker's time went to page faults).
+    CPU worker's time went to page faults), and on CPU workers its input iterators do
+    not copy each batch through a MultiDeviceIterator.
 
     Drop each fix once its issue is fixed upstream.
 
@@ -164,39 +180,30 @@ class KerasMultiWorkerMirroredStrategy(_KeepsStepBuffers,
             return tf.nest.map_structure(lambda v: self.reduce(reduce_op, v, axis), value)
         if axis is not None and _rank(value) == 0:
             axis = None
-        if axis is None and self.transport is not None and _is_float_scalar(value):
-            # Keras reduces each logged value every step; through TF's RPC that costs
-            # ~1 ms of CPU per value, through the transport ~0.1 ms.
+        if isinstance(reduce_op, str):
+            reduce_op = tf.distribute.ReduceOp(reduce_op.upper())
+        if axis is None and self.transport is not None and _is_small(value, reduce_op):
+            # Keras reduces each logged value every step, and TF's distributed iterators
+            # count the workers that still have data every step of a finite dataset:
+            # through TF's RPC each costs ~1 ms of CPU, through the transport ~0.1 ms, and
+            # a worker that waits for a slow peer there is seen by the transport (the
+            # straggler report), not hidden in TensorFlow's collective.
             if isinstance(value, tf.distribute.DistributedValues):
                 value = value.values[0]
-            [total] = graph_op.all_reduce(self.transport, [tf.reshape(value, [1])])
-            if isinstance(reduce_op, str):
-                reduce_op = tf.distribute.ReduceOp(reduce_op.upper())
+            [total] = graph_op.all_reduce(self.transport, [tf.reshape(value, [-1])])
             if reduce_op == tf.distribute.ReduceOp.MEAN:
                 total = total / self.num_replicas_in_sync
-            return tf.reshape(total, [])
+            return tf.reshape(total, tf.shape(value))
         return super().reduce(reduce_op, value, axis)
 
 
-class HostMirroredStrategy(_KeepsStepBuffers, tf.distribute.MirroredStrategy):
+class HostMirroredStrategy(_HostInput, tf.distribute.MirroredStrategy):
     """MirroredStrategy over CPU devices that share host memory.
 
-    TF's distributed iterators prefetch each replica's batch onto its device through
-    a MultiDeviceIterator. Logical CPUs share one memory, so that copy buys nothing
-    and costs 10-20% of the step rate (measured: `make bench`); this subclass turns
-    it off (`InputOptions(experimental_fetch_to_device=False)`) unless the caller
-    passes its own options. Its input iterators also keep glibc's mmap threshold
-    (`tf_distrib._malloc`).
+    Its input iterators do not prefetch each replica's batch onto its device (logical
+    CPUs share one memory) unless the caller passes its own `InputOptions`, and keep
+    glibc's mmap threshold (`tf_distrib._malloc`).
     """
-
-    _HOST_INPUT = tf.distribute.InputOptions(experimental_fetch_to_device=False)
-
-    def experimental_distribute_dataset(self, dataset, options=None):
-        return super().experimental_distribute_dataset(dataset, options or self._HOST_INPUT)
-
-    def distribute_datasets_from_function(self, dataset_fn, options=None):
-        return super().distribute_datasets_from_function(dataset_fn,
-                                                         options or self._HOST_INPUT)
 
 
 def _is_single_value(value) -> bool:
@@ -204,10 +211,20 @@ def _is_single_value(value) -> bool:
     return len(flat) == 1 and flat[0] is value
 
 
-def _is_float_scalar(value) -> bool:
+# Values of at most this many elements go through the transport's polled path.
+_SMALL_ELEMENTS = 64
+
+
+def _is_small(value, reduce_op) -> bool:
+    """A dense float (SUM, MEAN) or integer (SUM) tensor of known size, at most 64 elements."""
     if isinstance(value, tf.distribute.DistributedValues):
         value = value.values[0]
-    return isinstance(value, tf.Tensor) and value.dtype.is_floating and value.shape.rank == 0
+    if not isinstance(value, tf.Tensor) or not value.shape.is_fully_defined():
+        return False
+    if value.shape.num_elements() > _SMALL_ELEMENTS:
+        return False
+    return value.dtype.is_floating or (value.dtype.is_integer
+                                       and reduce_op == tf.distribute.ReduceOp.SUM)
 
 
 def _rank(value):

@@ -75,7 +75,7 @@ def _fit_worker(settings_json: str) -> None:
 
     os.environ.setdefault("TF_DISTRIB_WORKER_INDEX", "0")
     os.environ.setdefault("TF_DISTRIB_NUM_WORKERS", "1")
-    rate = scaling._worker(json.loads(settings_json), None)
+    rate = scaling._worker(json.loads(settings_json))["examples_per_sec"]
     print(f"examples_per_sec={rate}", flush=True)
 
 

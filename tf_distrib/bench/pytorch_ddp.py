@@ -1,8 +1,9 @@
 """PyTorch DistributedDataParallel on the same model, batch and pinning: the peer to beat.
 
 Runs only where torch happens to be installed (tf_distrib never depends on it): gloo on
-127.0.0.1, one intra-op thread and one core per process, MLP 784-1024-1024-10, SGD, a
-batch of 128 per process. One process trains the plain model; two wrap it in DDP. With
+127.0.0.1, one intra-op thread and one core per process, SGD, the scaling benchmark's
+models (`tf_distrib.bench.models`: the MLP 784-1024-1024-10 or the CNN) and batch per
+process. One process trains the plain model; two wrap it in DDP. With
 `accumulation=K`, gradients are accumulated over K steps and DDP all-reduces once per K
 (`no_sync()` on the others), as PyTorch's documentation recommends.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import resource
 import time
 
 
@@ -18,7 +20,26 @@ def available() -> bool:
     return importlib.util.find_spec("torch") is not None
 
 
-def _worker(port: int, steps: int, batch: int, accumulation: int) -> float:
+def _model(torch, name: str):
+    """The same architecture as `tf_distrib.bench.models` (`mlp` 1024-1024, `cnn`)."""
+    nn = torch.nn
+    if name == "mlp":
+        return nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                             nn.Linear(1024, 10))
+    layers, channels = [], 3
+    for filters in (32, 64, 64):
+        layers += [nn.Conv2d(channels, filters, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)]
+        channels = filters
+    return nn.Sequential(*layers, nn.Flatten(), nn.Linear(64 * 4 * 4, 512), nn.ReLU(),
+                         nn.Linear(512, 10))
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _worker(port: int, steps: int, batch: int, accumulation: int, model_name: str) -> dict:
     import contextlib
 
     import torch
@@ -29,15 +50,13 @@ def _worker(port: int, steps: int, batch: int, accumulation: int) -> float:
     os.sched_setaffinity(0, {rank % os.cpu_count()})
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(784, 1024), torch.nn.ReLU(),
-                                torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
-                                torch.nn.Linear(1024, 10))
+    model = _model(torch, model_name)
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world)
         model = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    x = torch.rand(steps, batch, 784)
+    x = torch.rand(steps, batch, *((784,) if model_name == "mlp" else (3, 32, 32)))
     y = torch.randint(0, 10, (steps, batch))
 
     def epoch():
@@ -51,17 +70,19 @@ def _worker(port: int, steps: int, batch: int, accumulation: int) -> float:
                 optimizer.zero_grad()
 
     epoch()  # warm-up
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), _cpu_seconds()
     epoch()
-    rate = steps * batch * world / (time.perf_counter() - start)
+    result = {"examples_per_sec": steps * batch * world / (time.perf_counter() - start),
+              "cpu_per_step": (_cpu_seconds() - cpu) / steps}
     if world > 1:
         dist.destroy_process_group()
-    return rate
+    return result
 
 
-def examples_per_sec(workers: int, steps: int = 60, batch: int = 128,
-                     accumulation: int = 1) -> float:
-    """Global examples/s of `workers` pinned PyTorch processes, in one run.
+def measure(workers: int, model: str = "mlp", steps: int = 60, batch: int = 128,
+            accumulation: int = 1) -> dict:
+    """{"examples_per_sec": global, "cpu_per_step": seconds} of `workers` pinned PyTorch
+    processes training `model` ("mlp" or "cnn"), in one run.
 
     A run that fails is tried once more: now and then a gloo process aborts as it
     exits ("terminate called without an active exception"), after it has measured.
@@ -70,10 +91,13 @@ def examples_per_sec(workers: int, steps: int = 60, batch: int = 128,
     from tf_distrib.launch import launch
 
     for attempt in range(2):
-        result = launch(_worker, workers, args=(free_ports(1)[0], steps, batch, accumulation),
-                        quiet=True, startup_timeout=None, timeout=600)
+        result = launch(_worker, workers,
+                        args=(free_ports(1)[0], steps, batch, accumulation, model), quiet=True,
+                        startup_timeout=None, timeout=600)
         if not result.exit_code:
-            return result.values[0]
+            values = result.values
+            return {"examples_per_sec": values[0]["examples_per_sec"],
+                    "cpu_per_step": sum(v["cpu_per_step"] for v in values) / len(values)}
         print(f"  (PyTorch run {attempt + 1} failed: {result.failure_report(lines=2)})",
               flush=True)
     raise RuntimeError(result.failure_report())

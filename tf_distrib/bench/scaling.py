@@ -1,47 +1,114 @@
 """Scaling: 2 MWMS workers pinned to one core each against 1 worker on one core.
 
 Each worker is pinned to its own core (`os.sched_setaffinity`, as `taskset -c i` would)
-with one intra-op thread, and trains an MLP 784-1024-1024-10 on 128 examples per
-worker per step, on `distribute_dataset(repeat=True)` so that `fit` keeps one iterator.
-The ratio of global examples/sec (2 workers / 1 worker) is the scaling; 2.0 is perfect,
-Horovod's headline is 90% (1.8). Two workers that train alone, without communicating,
-give the ceiling for these cores. The gradient all-reduce goes through TensorFlow's
-collective (gRPC) or tf_distrib's transport (shared memory, the default on one host, or
-TCP); with `gradient_accumulation_steps=4` it runs once per 4 steps. PyTorch DDP
-(gloo) on the same layout, when torch is installed. Every setting runs once per round, in 3
-rounds, and the scaling is the median over rounds of a setting's rate over the one-worker
-rate of its own round: the development VM switches between two speeds (25% apart) every
-few seconds to minutes, and comparing best runs from different moments put the
-one-worker baseline and the two-worker runs in different phases (tf_distrib's scaling
-came out 1.15x, 1.37x and 1.61x on three days).
+with one intra-op thread, and trains one of two models (`MODELS`): the MLP
+784-1024-1024-10 on 128 examples per worker per step, and a small convolutional network
+on 32x32x3 images. The data reaches `fit` in two ways: through
+`distribute_dataset(repeat=True)` (one iterator for the whole run) and as a plain
+`tf.data.Dataset`, batched and finite, the way Keras' and TensorFlow's multi-worker
+tutorials pass it. The ratio of global examples/sec (2 workers / 1 worker) is the
+scaling; 2.0 is perfect, Horovod's headline is 90% (1.8). Two workers that train alone,
+without communicating, give the ceiling for these cores. The gradient all-reduce goes
+through TensorFlow's collective (gRPC) or tf_distrib's transport (shared memory, the
+default on one host, or TCP); with `gradient_accumulation_steps=4` it runs once per 4
+steps. PyTorch DDP (gloo) on the same layout and architecture, when torch is installed.
+
+Each row also prints what a second worker adds to a step: the CPU seconds per step of a
+worker (`getrusage`, all its threads, over the measured epoch) minus those of the one
+worker it is compared to.
+
+Every setting runs once per round, in 3 rounds, and the scaling is the median over
+rounds of a setting's rate over the one-worker rate of its own round: the development VM
+switches between two speeds (25% apart) every few seconds to minutes, and comparing best
+runs from different moments put the one-worker baseline and the two-worker runs in
+different phases (tf_distrib's scaling came out 1.15x, 1.37x and 1.61x on three days).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import resource
 import statistics
 
-PER_WORKER_BATCH = 128
-STEPS = 200  # per epoch; the second epoch is measured
+PER_WORKER_BATCH = 128  # the MLP's
 ACCUMULATION = 4
 ROUNDS = 3
-# name -> (workers, make_strategy arguments, gradient_accumulation_steps); no arguments:
-# each worker trains alone, the most two processes can do on these cores.
-SETTINGS = {
-    "1 worker": (1, {}, None),
-    "2 workers, no communication (the ceiling)": (2, None, None),
-    "2 workers, TF collective": (2, {"transport": "tf"}, None),
-    "2 workers, tf_distrib (default: shm)": (2, {}, None),
-    "2 workers, tf_distrib tcp": (2, {"transport": "tcp"}, None),
-    "2 workers, TF collective + bf16": (2, {"transport": "tf", "compression": "bf16"}, None),
-    "2 workers, tf_distrib + bf16": (2, {"compression": "bf16"}, None),
-    f"1 worker, K={ACCUMULATION}": (1, {}, ACCUMULATION),
-    f"2 workers, K={ACCUMULATION}, TF collective": (2, {"transport": "tf"}, ACCUMULATION),
-    f"2 workers, K={ACCUMULATION}, tf_distrib": (2, {}, ACCUMULATION),
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A benchmark model: its examples' shape, batch per worker and steps per epoch."""
+
+    title: str
+    shape: tuple
+    per_worker_batch: int
+    steps: int  # per epoch; the second epoch is measured
+
+
+MODELS = {
+    "mlp": Model("MLP 784-1024-1024-10", (784,), PER_WORKER_BATCH, 200),
+    "cnn": Model("CNN on 32x32x3 (3 conv + 2 dense, 0.6M parameters)", (32, 32, 3), 64, 40),
 }
 
 
-def _worker(settings: dict, accumulation: int | None) -> float:
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One row: `workers` processes, `make_strategy(**strategy)` (None: each trains alone,
+    the most two processes can do on these cores), optional accumulation, and the data
+    path: "distribute_dataset" or "plain"."""
+
+    workers: int
+    strategy: dict | None = dataclasses.field(default_factory=dict)
+    accumulation: int | None = None
+    data: str = "distribute_dataset"
+
+    @property
+    def baseline(self) -> str:
+        suffix = ", plain dataset" if self.data == "plain" else ""
+        return f"1 worker, K={self.accumulation}" if self.accumulation else f"1 worker{suffix}"
+
+
+SETTINGS = {
+    "1 worker": Setting(1),
+    "2 workers, no communication (the ceiling)": Setting(2, None),
+    "2 workers, TF collective": Setting(2, {"transport": "tf"}),
+    "2 workers, tf_distrib (default: shm)": Setting(2),
+    "2 workers, tf_distrib tcp": Setting(2, {"transport": "tcp"}),
+    "2 workers, TF collective + bf16": Setting(2, {"transport": "tf", "compression": "bf16"}),
+    "2 workers, tf_distrib + bf16": Setting(2, {"compression": "bf16"}),
+    "1 worker, plain dataset": Setting(1, data="plain"),
+    "2 workers, plain dataset, TF collective": Setting(2, {"transport": "tf"}, data="plain"),
+    "2 workers, plain dataset, tf_distrib": Setting(2, data="plain"),
+    f"1 worker, K={ACCUMULATION}": Setting(1, accumulation=ACCUMULATION),
+    f"2 workers, K={ACCUMULATION}, TF collective": Setting(2, {"transport": "tf"},
+                                                          ACCUMULATION),
+    f"2 workers, K={ACCUMULATION}, tf_distrib": Setting(2, accumulation=ACCUMULATION),
+}
+# The convolutional model: the rows that answer "ahead of DDP on another model".
+CNN_SETTINGS = ("1 worker", "2 workers, no communication (the ceiling)",
+                "2 workers, TF collective", "2 workers, tf_distrib (default: shm)",
+                "1 worker, plain dataset", "2 workers, plain dataset, tf_distrib")
+
+
+def build(model: str, optimizer=None):
+    """The compiled benchmark model `model` ("mlp" or "cnn"); SGD(0.01) unless given."""
+    import keras
+
+    from tf_distrib.bench.models import cnn, mlp
+
+    optimizer = optimizer or keras.optimizers.SGD(0.01)
+    return mlp((1024, 1024), optimizer=optimizer) if model == "mlp" else cnn(optimizer)
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _worker(strategy_args: dict | None, accumulation: int | None = None, model: str = "mlp",
+            data: str = "distribute_dataset") -> dict:
+    """One worker's run: {"examples_per_sec": global rate, "cpu_per_step": seconds}."""
     index = int(os.environ["TF_DISTRIB_WORKER_INDEX"])
     os.sched_setaffinity(0, {index % os.cpu_count()})
     import keras
@@ -50,62 +117,105 @@ def _worker(settings: dict, accumulation: int | None) -> float:
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
     import tf_distrib as td
-    from tf_distrib.bench.models import mlp
 
     workers = int(os.environ["TF_DISTRIB_NUM_WORKERS"])
-    if settings is None:
+    if strategy_args is None:
         del os.environ["TF_CONFIG"]
-        settings, workers = {}, 1
-    strategy = td.make_strategy(**settings)
-    global_batch = PER_WORKER_BATCH * workers
-    x = np.random.default_rng(0).random((global_batch * STEPS, 784), dtype=np.float32)
-    y = np.random.default_rng(1).integers(0, 10, len(x)).astype("int32")
+        strategy_args, workers = {}, 1
+    spec = MODELS[model]
+    strategy = td.make_strategy(**strategy_args)
+    global_batch = spec.per_worker_batch * workers
+    rng = np.random.default_rng(0)
+    x = rng.random((global_batch * spec.steps, *spec.shape), dtype=np.float32)
+    y = rng.integers(0, 10, len(x)).astype("int32")
     with strategy.scope():
-        model = mlp((1024, 1024), optimizer=keras.optimizers.SGD(
-            0.01, gradient_accumulation_steps=accumulation))
-    data = td.data.distribute_dataset(strategy, tf.data.Dataset.from_tensor_slices((x, y)),
-                                      global_batch, repeat=True)
-    history = model.fit(data, epochs=2, steps_per_epoch=data.steps_per_epoch, verbose=0,
-                        callbacks=[td.callbacks.Throughput(global_batch)])
-    return history.history["examples_per_sec"][-1]
+        net = build(model, keras.optimizers.SGD(0.01, gradient_accumulation_steps=accumulation))
+    dataset = tf.data.Dataset.from_tensor_slices((x, y))
+    if data == "plain":
+        fit_data, steps = dataset.batch(global_batch), None
+    else:
+        fit_data = td.data.distribute_dataset(strategy, dataset, global_batch, repeat=True)
+        steps = fit_data.steps_per_epoch
+    class CpuPerStep(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.start, self.steps = _cpu_seconds(), 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.steps += 1
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.per_step = (_cpu_seconds() - self.start) / self.steps
+
+    cpu = CpuPerStep()
+    history = net.fit(fit_data, epochs=2, steps_per_epoch=steps, verbose=0,
+                      callbacks=[td.callbacks.Throughput(global_batch), cpu])
+    return {"examples_per_sec": history.history["examples_per_sec"][-1],
+            "cpu_per_step": cpu.per_step}
 
 
 def run(options) -> dict:
     from tf_distrib.bench import pytorch_ddp
     from tf_distrib.launch import launch
 
-    def tf_rate(workers, settings, accumulation):
-        result = launch(_worker, workers, args=(settings, accumulation), quiet=True,
-                        timeout=600)
+    def tf_run(model, setting):
+        result = launch(_worker, setting.workers,
+                        args=(setting.strategy, setting.accumulation, model, setting.data),
+                        quiet=True, timeout=900)
         if result.exit_code:
             raise RuntimeError(result.failure_report())
-        return sum(result.values) if settings is None else result.values[0]
+        rates = [v["examples_per_sec"] for v in result.values]
+        return {"examples_per_sec": sum(rates) if setting.strategy is None else rates[0],
+                "cpu_per_step": statistics.mean(v["cpu_per_step"] for v in result.values)}
 
-    # name -> (the one-worker setting it is compared to, a run returning examples/s)
-    runs = {name: (f"1 worker, K={k}" if k else "1 worker",
-                   lambda w=workers, s=settings, k=k: tf_rate(w, s, k))
-            for name, (workers, settings, k) in SETTINGS.items()}
-    if pytorch_ddp.available():
-        for suffix, k in (("", 1), (f", K={ACCUMULATION} (no_sync)", ACCUMULATION)):
-            for name, workers in ((f"PyTorch, 1 process{suffix}", 1),
-                                  (f"PyTorch DDP (gloo), 2 processes{suffix}", 2)):
-                runs[name] = (f"PyTorch, 1 process{suffix}", lambda w=workers, k=k:
-                              pytorch_ddp.examples_per_sec(w, accumulation=k))
-    rates = {name: [] for name in runs}
-    for _ in range(1 if options.quick else ROUNDS):
-        for name, (_, rate) in runs.items():
-            rates[name].append(rate())
+    report = {}
+    for model in MODELS:
+        names = SETTINGS if model == "mlp" else CNN_SETTINGS
+        # name -> (the one-worker row it is compared to, a run returning its measurements)
+        runs = {name: (SETTINGS[name].baseline, lambda m=model, s=SETTINGS[name]: tf_run(m, s))
+                for name in names}
+        if pytorch_ddp.available():
+            ddp = [("", 1)] + ([(f", K={ACCUMULATION} (no_sync)", ACCUMULATION)]
+                               if model == "mlp" else [])
+            for suffix, k in ddp:
+                for name, workers in ((f"PyTorch, 1 process{suffix}", 1),
+                                      (f"PyTorch DDP (gloo), 2 processes{suffix}", 2)):
+                    runs[name] = (f"PyTorch, 1 process{suffix}", lambda w=workers, k=k, m=model:
+                                  pytorch_ddp.measure(w, model=m, accumulation=k,
+                                                      batch=MODELS[m].per_worker_batch))
+        report[model] = _rounds(runs, 1 if options.quick else ROUNDS)
+        _print(MODELS[model], runs, report[model])
+    if not pytorch_ddp.available():
+        print("  (PyTorch DDP rows: torch is not installed)")
+    return report
+
+
+def _rounds(runs: dict, rounds: int) -> dict:
+    measured = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, (_, measure) in runs.items():
+            measured[name].append(measure())
+    rates = {name: [m["examples_per_sec"] for m in ms] for name, ms in measured.items()}
+    cpu = {name: statistics.median(m["cpu_per_step"] for m in ms)
+           for name, ms in measured.items()}
     scaling_per_round = {
         name: [r / one for r, one in zip(rates[name], rates[baseline], strict=True)]
         for name, (baseline, _) in runs.items()}
-    results = {name: statistics.median(r) for name, r in rates.items()}
-    scaling = {name: statistics.median(s) for name, s in scaling_per_round.items()}
-    print(f"MLP 784-1024-1024-10, {PER_WORKER_BATCH} examples per worker per step, one core "
-          f"and one intra-op thread per worker; medians of {len(rates['1 worker'])} round(s)")
-    print(f"  {'setting':<48}{'examples/s':>12}{'scaling':>10}")
+    return {"examples_per_sec": {name: statistics.median(r) for name, r in rates.items()},
+            "scaling": {name: statistics.median(s) for name, s in scaling_per_round.items()},
+            "scaling_per_round": scaling_per_round,
+            "cpu_ms_per_step": {name: c * 1e3 for name, c in cpu.items()},
+            "overhead_ms_per_step": {name: (cpu[name] - cpu[baseline]) * 1e3
+                                     for name, (baseline, _) in runs.items()},
+            "rounds": rounds}
+
+
+def _print(model: Model, runs: dict, report: dict) -> None:
+    print(f"{model.title}, {model.per_worker_batch} examples per worker per step, one core "
+          f"and one intra-op thread per worker; medians of {report['rounds']} round(s); "
+          "overhead: CPU ms per step of a worker minus its one-worker row's")
+    print(f"  {'setting':<48}{'examples/s':>12}{'scaling':>10}{'CPU ms/step':>13}"
+          f"{'overhead':>10}")
     for name in runs:
-        print(f"  {name:<48}{results[name]:>12.0f}{scaling[name]:>9.2f}x")
-    if not pytorch_ddp.available():
-        print("  (PyTorch DDP row: torch is not installed)")
-    return {"examples_per_sec": results, "scaling": scaling,
-            "scaling_per_round": scaling_per_round}
+        print(f"  {name:<48}{report['examples_per_sec'][name]:>12.0f}"
+              f"{report['scaling'][name]:>9.2f}x{report['cpu_ms_per_step'][name]:>13.2f}"
+              f"{report['overhead_ms_per_step'][name]:>10.2f}")

@@ -1,9 +1,14 @@
-"""glibc's mmap threshold after TensorFlow's input iterators lower it (tf_distrib._malloc)."""
+"""The input iterators of tf_distrib's strategies: glibc's mmap threshold after TensorFlow
+lowers it (tf_distrib._malloc), and spent iterators torn down off the training thread
+(tf_distrib._input_iterators)."""
 
 import json
 import os
 import subprocess
 import sys
+import threading
+import time
+import weakref
 
 import pytest
 import tensorflow as tf
@@ -77,3 +82,21 @@ def test_bad_threshold_names_the_variable(monkeypatch, value):
     monkeypatch.setenv("TF_DISTRIB_MMAP_THRESHOLD", value)
     with pytest.raises(ValueError, match="TF_DISTRIB_MMAP_THRESHOLD"):
         _malloc.threshold()
+
+
+def test_spent_iterators_are_torn_down_off_the_training_thread(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    dataset = td.make_strategy().experimental_distribute_dataset(
+        tf.data.Dataset.range(8).batch(4))
+    torn_down = []
+    spent = iter(dataset)
+    next(spent)
+    weakref.finalize(spent, lambda: torn_down.append(threading.current_thread().name))
+    fresh = iter(dataset)  # as Keras does at each epoch of a finite dataset
+    del spent
+    deadline = time.monotonic() + 30
+    while not torn_down and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert torn_down == ["tf_distrib-iterator-reaper"]
+    assert sorted(int(tf.reduce_sum(v)) for v in
+                  td.make_strategy().experimental_local_results(next(fresh))) == [0, 1, 2, 3]

@@ -18,6 +18,7 @@ module moves both off it:
 
 from __future__ import annotations
 
+import atexit
 import queue
 import sys
 import threading
@@ -28,6 +29,8 @@ from tf_distrib import _malloc
 # How long the reaper waits for the others (Keras' epoch loop) to drop a spent
 # iterator; after that it lets go, and whoever drops it last tears it down.
 RELEASE_TIMEOUT = 120.0
+# How long an exiting process waits for a teardown under way.
+EXIT_TIMEOUT = 60.0
 _POLL_SECONDS = 0.05
 
 # Distributed dataset class -> its subclass with this module's `__iter__`.
@@ -37,23 +40,41 @@ _reaper_lock = threading.Lock()
 
 
 class _Reaper:
-    """One daemon thread that drops spent iterators once it holds the last reference."""
+    """One daemon thread that drops spent iterators once it holds the last reference.
+
+    At exit it finishes the teardown under way (for at most `EXIT_TIMEOUT` seconds) and
+    leaves the rest to the interpreter: a daemon thread still inside TensorFlow's
+    teardown when Python finalizes is unwound through C++ code that cannot be unwound,
+    and the process aborts ("FATAL: exception not rethrown").
+    """
 
     def __init__(self):
         self._spent: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="tf_distrib-iterator-reaper",
-                         daemon=True).start()
+        self._exiting = threading.Event()
+        self._left: list = []  # iterators not torn down at exit
+        self._thread = threading.Thread(target=self._run, name="tf_distrib-iterator-reaper",
+                                        daemon=True)
+        self._thread.start()
+        atexit.register(self._stop)
 
     def retire(self, iterator) -> None:
         self._spent.put(iterator)
 
+    def _stop(self) -> None:
+        self._exiting.set()
+        self._spent.put(None)
+        self._thread.join(EXIT_TIMEOUT)
+
     def _run(self) -> None:
-        while True:
-            iterator = self._spent.get()
+        while (iterator := self._spent.get()) is not None:
             deadline = time.monotonic() + RELEASE_TIMEOUT
             # This frame's reference and getrefcount's argument.
-            while sys.getrefcount(iterator) > 2 and time.monotonic() < deadline:
-                time.sleep(_POLL_SECONDS)
+            while (sys.getrefcount(iterator) > 2 and time.monotonic() < deadline
+                   and not self._exiting.is_set()):
+                self._exiting.wait(_POLL_SECONDS)
+            if self._exiting.is_set():
+                self._left.append(iterator)
+                return
             del iterator  # the teardown runs here, if ours was the last reference
 
 

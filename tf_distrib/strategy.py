@@ -275,8 +275,10 @@ def make_strategy(cross_device_ops: tf.distribute.CrossDeviceOps | None = None, 
             hosts and TCP rings between them when hosts run the same number of
             workers; else a TCP ring; TensorFlow's collective otherwise, NCCL on
             GPUs), "tf" (TensorFlow's
-            collective), "shm" or "tcp". Metrics and losses always use TensorFlow's.
-            If some worker cannot listen, every worker falls back to "tf" with a
+            collective), "shm" or "tcp". Keras' logged losses and metrics, and the
+            per-step count of workers that still have data of a finite dataset, go
+            through it too (uncompressed); other reductions use TensorFlow's. If some
+            worker cannot listen, every worker falls back to "tf" with a
             warning that says why. Defaults to None: the TF_DISTRIB_TRANSPORT
             environment variable, else "auto".
         hang_timeout: Seconds without a finished step (training, evaluation or

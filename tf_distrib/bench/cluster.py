@@ -14,7 +14,8 @@ With 4 workers on this 2-core machine, they share the cores. The cost model
 Then `fit` on 2 hosts x 1 worker (TensorFlow's collective, tf_distrib, tf_distrib with
 bf16) against one worker on one core, and how much of the all-reduce hid behind the
 backward pass ("hidden": (one worker's step + the all-reduce alone - the step) / the
-all-reduce alone). PyTorch DDP is not in this benchmark.
+all-reduce alone); and PyTorch DDP (gloo) on the same layout and model against one
+PyTorch process, when torch is installed.
 Needs root (`SimulatedHosts`); skipped, naming what is missing, without it.
 """
 
@@ -77,6 +78,27 @@ def _fit_worker(settings_json: str) -> None:
     os.environ.setdefault("TF_DISTRIB_NUM_WORKERS", "1")
     rate = scaling._worker(json.loads(settings_json))["examples_per_sec"]
     print(f"examples_per_sec={rate}", flush=True)
+
+
+def _ddp_worker(rank: str, world: str, master: str) -> None:
+    """One PyTorch process of the scaling job on a simulated host; prints its measurement."""
+    from tf_distrib.bench import pytorch_ddp, scaling
+
+    os.environ.update(TF_DISTRIB_WORKER_INDEX=rank, TF_DISTRIB_NUM_WORKERS=world,
+                      GLOO_SOCKET_IFNAME="eth0")
+    result = pytorch_ddp._worker(_PORT + 1, 60, scaling.PER_WORKER_BATCH, 1, "mlp", master)
+    print(f"examples_per_sec={result['examples_per_sec']}", flush=True)
+
+
+def _ddp_rate(hosts, world: int) -> float:
+    """Global examples/s of PyTorch DDP on the first `world` hosts, one process each."""
+    processes = [hosts.run(i, [sys.executable, "-m", __name__, "ddp", str(i), str(world),
+                               hosts.addresses[0]], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True) for i in range(world)]
+    outputs = [p.communicate(timeout=600)[0] for p in processes]
+    if any(p.returncode for p in processes):
+        raise RuntimeError("a PyTorch run failed:\n" + "\n".join(o[-3000:] for o in outputs))
+    return float(outputs[0].rsplit("examples_per_sec=", 1)[1].split()[0])
 
 
 def _fit_rate(hosts, settings: dict | None) -> float:
@@ -241,7 +263,7 @@ def run(options) -> dict:
 def _fit_rows(rows: list[dict]) -> list[dict]:
     """`fit` on 2 hosts x 1 worker per link rate and setting, scaling and overlap."""
     from tf_distrib import simulated_hosts
-    from tf_distrib.bench import scaling
+    from tf_distrib.bench import pytorch_ddp, scaling
 
     print(f"fit, MLP 784-1024-1024-10, {scaling.PER_WORKER_BATCH} examples per worker per "
           "step, 2 hosts x 1 worker (one core each) against 1 worker on one core")
@@ -267,6 +289,15 @@ def _fit_rows(rows: list[dict]) -> list[dict]:
                 print(f"  {rate:>7} {name:<20}{examples:>11.0f}{examples / one:>8.2f}x"
                       + (f"{hidden:>8.0%}" if hidden is not None else f"{'':>8}"),
                       flush=True)
+            if pytorch_ddp.available():
+                alone, examples = _ddp_rate(hosts, 1), _ddp_rate(hosts, 2)
+                fit_rows.append({"rate": rate, "setting": "PyTorch DDP (gloo)",
+                                 "examples_per_sec": examples, "scaling": examples / alone,
+                                 "one_worker": alone, "hidden": None})
+                print(f"  {rate:>7} {'PyTorch DDP (gloo)':<20}{examples:>11.0f}"
+                      f"{examples / alone:>8.2f}x   (1 PyTorch process: {alone:.0f})", flush=True)
+    if not pytorch_ddp.available():
+        print("  (PyTorch DDP rows: torch is not installed)")
     return fit_rows
 
 
@@ -287,6 +318,8 @@ if __name__ == "__main__":
         _worker(store, int(rank), int(world), host, mode, dtype_name)
     elif sys.argv[1:2] == ["fit"]:
         _fit_worker(sys.argv[2])
+    elif sys.argv[1:2] == ["ddp"]:
+        _ddp_worker(*sys.argv[2:5])
     else:
         print(json.dumps(run(None)))
     sys.exit(os.EX_OK)

@@ -39,7 +39,8 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _worker(port: int, steps: int, batch: int, accumulation: int, model_name: str) -> dict:
+def _worker(port: int, steps: int, batch: int, accumulation: int, model_name: str,
+            master: str = "127.0.0.1") -> dict:
     import contextlib
 
     import torch
@@ -52,7 +53,7 @@ def _worker(port: int, steps: int, batch: int, accumulation: int, model_name: st
     torch.manual_seed(0)
     model = _model(torch, model_name)
     if world > 1:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank,
                                 world_size=world)
         model = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -4,8 +4,8 @@ MWMS asserts that its cross-device op is TF's CollectiveAllReduce, and swapping 
 silently stops cross-worker synchronisation. Keras 3 sums gradients in one place,
 `TFOptimizer._all_reduce_sum_gradients`, through `replica_context.all_reduce`;
 `tf_distrib.gradient_path` routes that call through the `GradientAllReduce` of a
-strategy from `make_strategy()`. Metrics and logged losses keep TF's exact float32
-reductions.
+strategy from `make_strategy()`. Metrics and logged losses are never compressed: they
+go through the strategy's own `reduce`.
 
 One reduction path for every setting: gradients go in buckets of consecutive
 gradients, last layer first (`bucketing.plan_buckets`); each bucket is encoded

@@ -1,21 +1,19 @@
-"""The input iterators of tf_distrib's strategies: set up and torn down off the step's path.
+"""What tf_distrib's strategies do when their input iterators are made and dropped.
 
-Two costs of TensorFlow's distributed iterators fall on the training thread, and this
-module moves both off it:
-
-- Building one makes TensorFlow lower glibc's mmap threshold (`tf_distrib._malloc`);
+- Made: building one makes TensorFlow lower glibc's mmap threshold (`tf_distrib._malloc`);
   each new iterator restores it.
-- Tearing one down blocks. Keras makes a new iterator for every epoch of a finite
-  dataset (two, in fact: one as an epoch ends, another as the next begins), and the
-  old iterator's destructor joins its tf.data threads, which under
+- Dropped: tearing one down blocks. Keras makes a new iterator for every epoch of a
+  finite dataset (two, in fact: one as an epoch ends, another as the next begins), and
+  the old iterator's destructor joins its tf.data threads, which under
   MultiWorkerMirroredStrategy took 4-15 s per epoch (measured on TF 2.21: epochs of
   200 steps of 25 ms took 20 s instead of 5 s; TF's autotuning thread accounts for
   about 10 s, and turning autotuning off still left 4 s), while the other workers wait
-  in the next step's collective. Keeping the old iterators alive removes the stall, so
-  each spent iterator is handed to one background thread, which drops it once nobody
-  else refers to it: TensorFlow releases the GIL while it joins the threads.
+  in the next step's collective. Kept alive, the old iterators cost nothing, so each
+  spent iterator goes to one background thread, which drops it once nobody else refers
+  to it: TensorFlow releases the GIL while it joins the threads. (`distribute_dataset`
+  also builds its pipelines without autotuning, `tf_distrib._input_stalls`, which helps
+  where no tf_distrib strategy is in charge: one process without a strategy.)
 """
-
 from __future__ import annotations
 
 import atexit

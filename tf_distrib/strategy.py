@@ -84,11 +84,11 @@ def use_logical_cpus(n: int) -> None:
 class _HostInput:
     """A strategy's input iterators as CPU workers want them.
 
-    They keep glibc's large buffers mapped (`_malloc`), and, when every device of this
-    worker is a CPU, they do not prefetch each replica's batch onto its device: TF's
-    distributed iterators do that through a MultiDeviceIterator, but CPU devices share
-    host memory, so the copy buys nothing and costs 10-20% of the step rate (measured:
-    `make bench`). A caller's own `InputOptions` are kept as given.
+    They keep glibc's large buffers mapped (`_malloc`), tear spent iterators down off
+    the training thread (`_input_iterators`), and, when every device of this worker is
+    a CPU, do not copy each replica's batch from the host onto its device: logical CPUs
+    share host memory, so the copy buys nothing and cost `HostMirroredStrategy` 10-20%
+    of its step rate (measured: `make bench`). A caller's own `InputOptions` are kept.
     """
 
     _HOST_INPUT = tf.distribute.InputOptions(experimental_fetch_to_device=False)
@@ -135,8 +135,9 @@ class KerasMultiWorkerMirroredStrategy(_HostInput,
 
     Like `HostMirroredStrategy`, it keeps glibc's mmap threshold where it was before
     TensorFlow's input iterators lowered it to 128 KiB (`tf_distrib._malloc`: 9% of a
-    CPU worker's time went to page faults), and on CPU workers its input iterators do
-    not copy each batch through a MultiDeviceIterator.
+    CPU worker's time went to page faults), and tears spent input iterators down on a
+    background thread (`tf_distrib._input_iterators`: Keras drops them at every epoch of
+    a finite dataset, and their teardown stalled MWMS workers for seconds).
 
     Drop each fix once its issue is fixed upstream.
 
@@ -200,9 +201,9 @@ class KerasMultiWorkerMirroredStrategy(_HostInput,
 class HostMirroredStrategy(_HostInput, tf.distribute.MirroredStrategy):
     """MirroredStrategy over CPU devices that share host memory.
 
-    Its input iterators do not prefetch each replica's batch onto its device (logical
-    CPUs share one memory) unless the caller passes its own `InputOptions`, and keep
-    glibc's mmap threshold (`tf_distrib._malloc`).
+    Its input iterators do not copy each replica's batch onto its device (logical CPUs
+    share one memory) unless the caller passes its own `InputOptions`, keep glibc's mmap
+    threshold (`tf_distrib._malloc`) and are torn down off the training thread.
     """
 
 

@@ -16,6 +16,8 @@ import numpy as np
 ALIGN = 64
 # Reused buffers kept for later collectives; more are freed when idle.
 _IDLE_BUFFERS = 8
+# Elements of 16-bit floats widened to float32 at a time (256 KiB: the core's L2 cache).
+_WIDE_BLOCK = 1 << 16
 
 
 def accumulator_dtype(dtype: np.dtype) -> np.dtype:
@@ -27,7 +29,9 @@ def sum_into(target: np.ndarray, parts: list[np.ndarray]) -> None:
     """target = parts[0] + parts[1] + ..., added in that order (at least two parts).
 
     16-bit floats are summed in float32 and rounded once; numpy's own float16 and
-    bfloat16 additions are 10-25x slower than float32's. `target` may be a part.
+    bfloat16 additions are 10-25x slower than float32's. They are summed a block at a
+    time, so that the float32 copies stay in the core's cache instead of tripling the
+    memory traffic. `target` may be a part.
     """
     wide = accumulator_dtype(target.dtype)
     if wide == target.dtype:
@@ -35,10 +39,18 @@ def sum_into(target: np.ndarray, parts: list[np.ndarray]) -> None:
         for part in parts[2:]:
             np.add(target, part, out=target)
         return
-    total = parts[0].astype(wide)
-    for part in parts[1:]:
-        total += part.astype(wide)
-    target[...] = total.astype(target.dtype)
+    total, widened = np.empty(min(_WIDE_BLOCK, target.size), wide), None
+    for start in range(0, target.size, _WIDE_BLOCK):
+        stop = min(start + _WIDE_BLOCK, target.size)
+        block = total[:stop - start]
+        block[...] = parts[0][start:stop]
+        for part in parts[1:]:
+            if widened is None:
+                widened = np.empty_like(total)
+            more = widened[:stop - start]
+            more[...] = part[start:stop]
+            block += more
+        target[start:stop] = block
 
 
 class Layout:

@@ -28,6 +28,14 @@ BENCHMARKS = {
 }
 
 
+def cpu_seconds() -> float:
+    """CPU seconds this process has used so far, every thread, user and system."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_in_fresh_process(module: str, *args) -> object:
     """Runs `python -m module args...` and returns what its last line of output holds (JSON).
 

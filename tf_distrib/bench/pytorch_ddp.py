@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import resource
 import time
 
 
@@ -34,17 +33,14 @@ def _model(torch, name: str):
                          nn.Linear(512, 10))
 
 
-def _cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 def _worker(port: int, steps: int, batch: int, accumulation: int, model_name: str,
             master: str = "127.0.0.1") -> dict:
     import contextlib
 
     import torch
     import torch.distributed as dist
+
+    from tf_distrib.bench import cpu_seconds
 
     rank = int(os.environ["TF_DISTRIB_WORKER_INDEX"])
     world = int(os.environ["TF_DISTRIB_NUM_WORKERS"])
@@ -71,10 +67,10 @@ def _worker(port: int, steps: int, batch: int, accumulation: int, model_name: st
                 optimizer.zero_grad()
 
     epoch()  # warm-up
-    start, cpu = time.perf_counter(), _cpu_seconds()
+    start, cpu = time.perf_counter(), cpu_seconds()
     epoch()
     result = {"examples_per_sec": steps * batch * world / (time.perf_counter() - start),
-              "cpu_per_step": (_cpu_seconds() - cpu) / steps}
+              "cpu_per_step": (cpu_seconds() - cpu) / steps}
     if world > 1:
         dist.destroy_process_group()
     return result

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import resource
 import statistics
 
 PER_WORKER_BATCH = 128  # the MLP's
@@ -101,11 +100,6 @@ def build(model: str, optimizer=None):
     return mlp((1024, 1024), optimizer=optimizer) if model == "mlp" else cnn(optimizer)
 
 
-def _cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 def _worker(strategy_args: dict | None, accumulation: int | None = None, model: str = "mlp",
             data: str = "distribute_dataset") -> dict:
     """One worker's run: {"examples_per_sec": global rate, "cpu_per_step": seconds}."""
@@ -117,6 +111,7 @@ def _worker(strategy_args: dict | None, accumulation: int | None = None, model: 
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
     import tf_distrib as td
+    from tf_distrib.bench import cpu_seconds
 
     workers = int(os.environ["TF_DISTRIB_NUM_WORKERS"])
     if strategy_args is None:
@@ -136,15 +131,16 @@ def _worker(strategy_args: dict | None, accumulation: int | None = None, model: 
     else:
         fit_data = td.data.distribute_dataset(strategy, dataset, global_batch, repeat=True)
         steps = fit_data.steps_per_epoch
+
     class CpuPerStep(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
-            self.start, self.steps = _cpu_seconds(), 0
+            self.start, self.steps = cpu_seconds(), 0
 
         def on_train_batch_end(self, batch, logs=None):
             self.steps += 1
 
         def on_epoch_end(self, epoch, logs=None):
-            self.per_step = (_cpu_seconds() - self.start) / self.steps
+            self.per_step = (cpu_seconds() - self.start) / self.steps
 
     cpu = CpuPerStep()
     history = net.fit(fit_data, epochs=2, steps_per_epoch=steps, verbose=0,

@@ -9,7 +9,7 @@
   200 steps of 25 ms took 20 s instead of 5 s; TF's autotuning thread accounts for
   about 10 s, and turning autotuning off still left 4 s), while the other workers wait
   in the next step's collective. Kept alive, the old iterators cost nothing, so each
-  spent iterator goes to one background thread, which drops it once nobody else refers
+  spent iterator of a dataset given to `fit` goes to one background thread, which drops it once nobody else refers
   to it: TensorFlow releases the GIL while it joins the threads. (`distribute_dataset`
   also builds its pipelines without autotuning, `tf_distrib._input_stalls`, which helps
   where no tf_distrib strategy is in charge: one process without a strategy.)
@@ -84,15 +84,24 @@ def _retire(iterator) -> None:
     _reaper.retire(iterator)
 
 
-def managed(dataset):
-    """`dataset` (a distributed dataset) with its iterators set up and retired as above.
+def managed(dataset, retire: bool):
+    """`dataset` (a distributed dataset) with its iterators set up, and retired as above.
 
     Its class becomes a subclass of its own, so `isinstance` checks (Keras' data
     adapters make them) still hold.
+
+    Args:
+        dataset: A distributed dataset of a tf_distrib strategy.
+        retire: Tear its spent iterators down on the background thread. Worth it for
+            pipelines whose teardown blocks for seconds (any the user built, with
+            tf.data's autotuning on); `distribute_dataset`'s take ~0.2 s, and the
+            background thread would make an exiting worker wait for one (a preempted
+            worker must exit as promptly as its peers).
     """
     cls = type(dataset)
     if cls not in _SUBCLASSES.values():
         dataset.__class__ = _SUBCLASSES.get(cls) or _SUBCLASSES.setdefault(cls, _subclass(cls))
+    dataset.__dict__["_tf_distrib_retire"] = retire
     return dataset
 
 
@@ -100,10 +109,11 @@ def _subclass(cls: type) -> type:
     def __iter__(self):
         iterator = cls.__iter__(self)
         _malloc.restore_threshold()
-        previous = self.__dict__.get("_tf_distrib_iterator")
-        self.__dict__["_tf_distrib_iterator"] = iterator
-        if previous is not None:
-            _retire(previous)
+        if self.__dict__["_tf_distrib_retire"]:
+            previous = self.__dict__.get("_tf_distrib_iterator")
+            self.__dict__["_tf_distrib_iterator"] = iterator
+            if previous is not None:
+                _retire(previous)
         return iterator
 
     return type(cls.__name__, (cls,), {"__iter__": __iter__, "__module__": cls.__module__})

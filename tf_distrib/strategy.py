@@ -84,11 +84,12 @@ def use_logical_cpus(n: int) -> None:
 class _HostInput:
     """A strategy's input iterators as CPU workers want them.
 
-    They keep glibc's large buffers mapped (`_malloc`), tear spent iterators down off
-    the training thread (`_input_iterators`), and, when every device of this worker is
-    a CPU, do not copy each replica's batch from the host onto its device: logical CPUs
-    share host memory, so the copy buys nothing and cost `HostMirroredStrategy` 10-20%
-    of its step rate (measured: `make bench`). A caller's own `InputOptions` are kept.
+    They keep glibc's large buffers mapped (`_malloc`), tear the spent iterators of
+    datasets given to `fit` down off the training thread (`_input_iterators`), and,
+    when every device of this worker is a CPU, do not copy each replica's batch from
+    the host onto its device: logical CPUs share host memory, so the copy buys nothing
+    and cost `HostMirroredStrategy` 10-20% of its step rate (measured: `make bench`).
+    A caller's own `InputOptions` are kept.
     """
 
     _HOST_INPUT = tf.distribute.InputOptions(experimental_fetch_to_device=False)
@@ -100,12 +101,15 @@ class _HostInput:
         return options
 
     def experimental_distribute_dataset(self, dataset, options=None):
+        # What Keras calls for a dataset given to `fit`: the user's own pipeline.
         return _input_iterators.managed(
-            super().experimental_distribute_dataset(dataset, self._input_options(options)))
+            super().experimental_distribute_dataset(dataset, self._input_options(options)),
+            retire=True)
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
         return _input_iterators.managed(
-            super().distribute_datasets_from_function(dataset_fn, self._input_options(options)))
+            super().distribute_datasets_from_function(dataset_fn, self._input_options(options)),
+            retire=False)
 
 
 class KerasMultiWorkerMirroredStrategy(_HostInput,
@@ -135,9 +139,10 @@ class KerasMultiWorkerMirroredStrategy(_HostInput,
 
     Like `HostMirroredStrategy`, it keeps glibc's mmap threshold where it was before
     TensorFlow's input iterators lowered it to 128 KiB (`tf_distrib._malloc`: 9% of a
-    CPU worker's time went to page faults), and tears spent input iterators down on a
-    background thread (`tf_distrib._input_iterators`: Keras drops them at every epoch of
-    a finite dataset, and their teardown stalled MWMS workers for seconds).
+    CPU worker's time went to page faults), and tears the spent input iterators of
+    datasets given to `fit` down on a background thread (`tf_distrib._input_iterators`:
+    Keras drops them at every epoch of a finite dataset, and their teardown stalled MWMS
+    workers for seconds).
 
     Drop each fix once its issue is fixed upstream.
 
@@ -202,8 +207,9 @@ class HostMirroredStrategy(_HostInput, tf.distribute.MirroredStrategy):
     """MirroredStrategy over CPU devices that share host memory.
 
     Its input iterators do not copy each replica's batch onto its device (logical CPUs
-    share one memory) unless the caller passes its own `InputOptions`, keep glibc's mmap
-    threshold (`tf_distrib._malloc`) and are torn down off the training thread.
+    share one memory) unless the caller passes its own `InputOptions` and keep glibc's
+    mmap threshold (`tf_distrib._malloc`); those of datasets given to `fit` are torn
+    down off the training thread.
     """
 
 

@@ -186,14 +186,16 @@ def compressed_mwms_job(compression, bucket_bytes, transport):
         strategy, tf.data.Dataset.from_tensor_slices(make_data(2048)), 64)
     history = model.fit(dataset, epochs=3, verbose=0)
     return {"loss": history.history["loss"], "weights": [w.numpy() for w in model.weights],
-            "sent": gradient_collectives(strategy, model)}
+            "sent": gradient_collectives(strategy, model),
+            "mode": getattr(strategy.transport, "mode", None)}
 
 
 def gradient_collectives(strategy, model):
     """(dtype, elements) of each collective the gradient path issues, in launch order.
 
     TF's collective is a CollectiveReduceV2 op per bucket (its first input); tf_distrib's
-    transport one numpy_function per bucket (after the collective's number).
+    transport one numpy_function per bucket (after the collective's number), or across
+    hosts a start per bucket (its finish has no tensor input).
     """
     import tensorflow as tf
 
@@ -206,7 +208,8 @@ def gradient_collectives(strategy, model):
         lambda: reduce([tf.identity(w) for w in model.trainable_weights])))
     sent = []
     for op in step.get_concrete_function().graph.get_operations():
-        if op.type == "CollectiveReduceV2" or op.name.startswith("tf_distrib_all_reduce"):
+        if op.type == "CollectiveReduceV2" or (op.name.startswith("tf_distrib_all_reduce")
+                                               and "finish" not in op.name):
             tensors = op.inputs[:1] if op.type == "CollectiveReduceV2" else op.inputs[1:]
             sent.append((tensors[0].dtype.name, sum(t.shape.num_elements() for t in tensors)))
     return sent
@@ -217,7 +220,7 @@ def test_mwms_gradient_compression_keeps_workers_in_sync():
     runs = {args: [w.value for w in run_workers(compressed_mwms_job, 2, args=args,
                                                  quiet=True, timeout=240)]
             for args in ((None, None, "tf"), ("bf16", 4096, "tf"), ("fp16", None, "tf"),
-                         (None, None, "auto"), ("bf16", 4096, "auto"))}
+                         (None, None, "auto"), ("bf16", 4096, "tcp"))}
     default = runs[(None, None, "tf")][0]["loss"][-1]
     for args, (a, b) in runs.items():
         # Workers that stopped synchronising would diverge here.
@@ -227,9 +230,13 @@ def test_mwms_gradient_compression_keeps_workers_in_sync():
         assert abs(a["loss"][-1] - default) <= 0.25 * default, args
     # Compression changed the arithmetic: the hook really ran.
     assert runs[("bf16", 4096, "tf")][0]["loss"] != runs[(None, None, "tf")][0]["loss"]
+    # tf_distrib's transport: shared memory on one host; the TCP ring where asked for (its
+    # collectives overlap: each bucket started in order, all finished after).
+    assert runs[("bf16", 4096, "tcp")][0]["mode"] == "tcp"
+    assert runs[(None, None, "auto")][0]["mode"] == "shm"
     # One collective per bucket, the last layer's first (weights 1024, 64, 4096, 64, 256, 4
     # floats; 4096-byte buckets); without bucket_bytes the small gradients share one.
-    for transport in ("tf", "auto"):
+    for transport in ("tf", "tcp"):
         assert runs[("bf16", 4096, transport)][0]["sent"] == [
             ("bfloat16", 324), ("bfloat16", 4096), ("bfloat16", 64), ("bfloat16", 1024)]
     assert runs[("fp16", None, "tf")][0]["sent"] == [("float16", 5508)]
@@ -267,6 +274,10 @@ def test_buckets_are_consecutive_last_layer_first():
     # around them share a bucket: weights 1200 bytes, biases 40 and 20.
     layers = [tf.zeros([300]), tf.zeros([10]), tf.zeros([300]), tf.zeros([5])]
     assert plan_buckets(layers, 2000, alone_from_bytes=400) == [[2], [1, 3], [0]]
+    # Across hosts the first bucket closes once it holds 1000 bytes (DDP's 1 MiB, scaled):
+    # the last layer's weights travel while backward computes the first's.
+    assert plan_buckets(layers, 2000, first_bucket_bytes=1000) == [[2, 3], [0, 1]]
+    assert plan_buckets(layers, 2000, first_bucket_bytes=10) == [[3], [1, 2], [0]]
 
 
 def test_compressor_casts_are_bitwise_tf_cast(caplog):

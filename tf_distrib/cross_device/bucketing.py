@@ -10,18 +10,22 @@ import tensorflow as tf
 
 from tf_distrib._checks import check_int
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "ALONE_FROM_BYTES", "plan_buckets", "pack", "unpack"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "FIRST_BUCKET_BYTES", "ALONE_FROM_BYTES", "plan_buckets",
+           "pack", "unpack"]
 
 # PyTorch DDP's default bucket size.
 DEFAULT_BUCKET_BYTES = 25 * 2**20
+# PyTorch DDP's first bucket: it closes once it holds this much, so that the network
+# gets work early in the backward pass.
+FIRST_BUCKET_BYTES = 2**20
 # On one host (MirroredStrategy), tensors this large travel alone: copying them into a
 # bucket costs more than the per-op overhead it saves (~25 us per op against ~5 GB/s of
 # copying: ~128 KB break-even, measured on CPU with `make bench` -> allreduce).
 ALONE_FROM_BYTES = 2**17
 
 
-def plan_buckets(tensors, bucket_bytes: int,
-                 alone_from_bytes: int | None = None) -> list[list[int]]:
+def plan_buckets(tensors, bucket_bytes: int, alone_from_bytes: int | None = None,
+                 first_bucket_bytes: int | None = None) -> list[list[int]]:
     """Groups tensor indices into buckets, in the order backward computes the tensors.
 
     Walking from the last tensor to the first (backward computes the last layer's
@@ -32,11 +36,17 @@ def plan_buckets(tensors, bucket_bytes: int,
     can travel while backward goes on); indices inside a bucket are ascending, the
     order `pack` expects.
 
+    Example, the benchmark MLP (W1 3.2 MB, b1, W2 4.2 MB, b2, W3 41 KB, b3) with 25 MiB
+    buckets: one bucket, `[[0, 1, 2, 3, 4, 5]]`; with a 1 MiB first bucket as well:
+    `[[2, 3, 4, 5], [0, 1]]` (W2's sum can travel while backward computes W1's).
+
     Args:
         tensors: Anything with `.shape` and `.dtype`.
         bucket_bytes: The largest bucket, in bytes; one larger tensor fills one alone.
         alone_from_bytes: Tensors of this many bytes or more travel alone. Defaults to
             None: every tensor joins the open bucket.
+        first_bucket_bytes: The first bucket closes as soon as it holds this many bytes
+            or more. Defaults to None: like the others.
     """
     check_int("bucket_bytes", bucket_bytes)
     buckets, members, used = [], [], 0
@@ -51,6 +61,9 @@ def plan_buckets(tensors, bucket_bytes: int,
             members, used = [], 0
         members.append(i)
         used += nbytes
+        if not buckets and first_bucket_bytes is not None and used >= first_bucket_bytes:
+            buckets.append(members)
+            members, used = [], 0
     if members:
         buckets.append(members)
     # Complete once their lowest index (the last one backward computes) exists.

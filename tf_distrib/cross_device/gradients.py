@@ -38,6 +38,9 @@ class GradientAllReduce:
         compression: "bf16", "fp16", "none" or a `Compressor`. Defaults to None (none).
         bucket_bytes: Largest bucket of consecutive gradients, in bytes (a larger
             gradient travels alone). Defaults to None: 25 MiB, PyTorch DDP's default.
+            Across hosts (a transport that `overlaps`), the first bucket also closes
+            once it holds 1 MiB, as DDP's does: its sum travels while backward computes
+            the rest.
         transport: A `tf_distrib.transport.Transport` to carry dense buckets. Defaults
             to None: TensorFlow's collective (then each bucket is packed into one tensor).
     """
@@ -66,19 +69,27 @@ class GradientAllReduce:
         values = [grads[i] for i in dense]
         # Buckets go last layer first, the order backward computes them in: TF launches
         # one device's collectives in call order, and the transport chains them so.
-        for members in bucketing.plan_buckets(values, self.bucket_bytes):
+        # Across hosts a small first bucket gives the network work early (DDP's schedule).
+        overlaps = self.transport is not None and self.transport.overlaps
+        plan = bucketing.plan_buckets(
+            values, self.bucket_bytes,
+            first_bucket_bytes=bucketing.FIRST_BUCKET_BYTES if overlaps else None)
+        if self.transport is not None:
+            encoded = [[encode_for_sum(self.compressor, values[k], n) for k in members]
+                       for members in plan]
+            summed = graph_op.all_reduce_buckets(self.transport,
+                                                 [[w for w, _ in bucket] for bucket in encoded])
+            for members, bucket, sums in zip(plan, encoded, summed, strict=True):
+                for k, (_, ctx), s in zip(members, bucket, sums, strict=True):
+                    results[dense[k]] = decode_sum(self.compressor, s, ctx, n)
+            return results
+        for members in plan:
             bucket = [values[k] for k in members]
-            if self.transport is not None:
-                encoded = [encode_for_sum(self.compressor, t, n) for t in bucket]
-                summed = graph_op.all_reduce(self.transport, [w for w, _ in encoded])
-                reduced = [decode_sum(self.compressor, s, ctx, n)
-                           for s, (_, ctx) in zip(summed, encoded, strict=True)]
-            else:
-                # TF's batch all-reduce packs every tensor of a call into one collective
-                # anyway; one call per bucket lets each travel as soon as it exists.
-                wire, ctx = encode_for_sum(self.compressor, bucketing.pack(bucket), n)
-                flat = context.all_reduce(SUM, wire)
-                reduced = bucketing.unpack(decode_sum(self.compressor, flat, ctx, n), bucket)
+            # TF's batch all-reduce packs every tensor of a call into one collective
+            # anyway; one call per bucket lets each travel as soon as it exists.
+            wire, ctx = encode_for_sum(self.compressor, bucketing.pack(bucket), n)
+            flat = context.all_reduce(SUM, wire)
+            reduced = bucketing.unpack(decode_sum(self.compressor, flat, ctx, n), bucket)
             for k, part in zip(members, reduced, strict=True):
                 results[dense[k]] = part
         return results

@@ -21,6 +21,7 @@ import collections
 import dataclasses
 import json
 import os
+import queue
 import secrets
 import socket
 import threading
@@ -50,6 +51,10 @@ DEFAULT_CONNECT_TIMEOUT = 120.0
 RECORDED = 64
 # How long a failing transport waits for its ABORT frames to leave.
 ABORT_FLUSH_SECONDS = 1.0
+# How often `finish` checks that the collective thread still runs.
+_FINISH_CHECK_SECONDS = 1.0
+# How long `close` waits for the collective under way (there is none after training).
+_CLOSE_SECONDS = 5.0
 
 
 @dataclasses.dataclass
@@ -59,6 +64,18 @@ class Stats:
     collectives: int = 0
     bytes: int = 0
     seconds: float = 0.0
+
+
+class _Job:
+    """One collective: its number, layout and result buffer, and how it ended."""
+
+    __slots__ = ("seq", "layout", "out", "record", "done", "error")
+
+    def __init__(self, seq: int, layout: Layout, out: np.ndarray):
+        self.seq, self.layout, self.out = seq, layout, out
+        self.record = {"seq": seq, "bytes": layout.nbytes, "started": time.time(), "ended": None}
+        self.done = threading.Event()
+        self.error: TransportError | None = None
 
 
 class Transport:
@@ -76,8 +93,16 @@ class Transport:
       buffer over its link for H hosts, against 2(N-1)/N for a flat ring of all N
       workers, and nothing goes over TCP between two workers of one host.
 
-    Every worker must call `all_reduce` with arrays of the same shapes and dtype, in
-    the same order. Sums are bitwise identical on every worker.
+    Every worker must call `all_reduce` (or `start`) with arrays of the same shapes and
+    dtype, in the same order. Sums are bitwise identical on every worker.
+
+    Across hosts the collectives run on the transport's own thread, one at a time in
+    the order they were started (`overlaps`): `start` copies the arrays and returns,
+    `finish` waits for the sum, so the caller computes while the bytes cross the link
+    (TensorFlow gives a worker pinned to one core a single inter-op thread, which a
+    collective that blocked would take from the backward pass). On one host the
+    collective runs in the caller (shared memory is CPU work: a hand-off would only
+    add to it).
 
     Args:
         mesh: The connected workers.
@@ -88,7 +113,8 @@ class Transport:
 
     Attributes:
         mode: "shm", "tcp" or "shm+tcp".
-        stats: A `Stats`.
+        overlaps: Whether `start` returns before the collective is done (not "shm").
+        stats: A `Stats`; its seconds are those the caller spent waiting in collectives.
         failure: The error that stopped the transport, or None.
     """
 
@@ -105,12 +131,21 @@ class Transport:
         elif segment is not None:
             self._shm = SharedMemoryReducer(mesh, segment)
         self.mode = "tcp" if segment is None else "shm+tcp" if self._across else "shm"
+        self.overlaps = self.mode != "shm"
         self._results, self._scratch = BufferPool(), BufferPool()
         self._seq = 0
         self._lock = threading.Lock()
         self._recorder: collections.deque[dict] = collections.deque(maxlen=RECORDED)
+        self._started: dict[int, _Job] = {}
         self.stats = Stats()
         self.failure: TransportError | None = None
+        self._jobs: queue.SimpleQueue | None = None
+        self._thread: threading.Thread | None = None
+        if self.overlaps:
+            self._jobs = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._serve, daemon=True,
+                                            name=f"tf_distrib-collectives-{mesh.rank}")
+            self._thread.start()
 
     @property
     def rank(self) -> int:
@@ -136,37 +171,94 @@ class Transport:
         """
         if not arrays:
             return []
+        return self.finish(self.start(arrays, seq))
+
+    def start(self, arrays: list[np.ndarray], seq: int | None = None) -> int:
+        """Starts `all_reduce(arrays, seq)`; `finish` returns its sums.
+
+        When the transport `overlaps`, this returns once the arrays are copied, before
+        the collective is done; the arrays may then be reused.
+
+        Returns:
+            The collective's number, for `finish`.
+
+        Raises:
+            TransportError: the transport has stopped (its failure).
+        """
+        began = time.perf_counter()
         with self._lock:
             if self.failure is not None:
                 raise self.failure
             seq = self._seq if seq is None else seq
             self._seq = seq + 1
             layout = Layout(arrays)
-            record = {"seq": seq, "bytes": layout.nbytes, "started": time.time(), "ended": None}
-            self._recorder.append(record)
-            start = time.perf_counter()
-            out = self._results.take(layout.nbytes, layout.dtype)
-            try:
-                if self._across is not None:
-                    self._hierarchical_all_reduce(seq, layout, arrays, out)
-                elif self._shm is not None:
-                    self._shm.all_reduce(seq, layout, arrays, out)
-                else:
-                    layout.gather(arrays, 0, layout.size, out)
-                    scratch = self._scratch.take(
-                        (layout.size // self.world + 1) * layout.dtype.itemsize, layout.dtype)
-                    ring_all_reduce(self.mesh, seq, out, scratch)
-            except TransportError as e:
+            job = _Job(seq, layout, self._results.take(layout.nbytes, layout.dtype))
+            self._recorder.append(job.record)
+            self._started[seq] = job
+            if self._jobs is None:
+                self._run(job, layout, arrays)
+            else:
+                layout.gather(arrays, 0, layout.size, job.out)
+                self._jobs.put(job)
+        self.stats.seconds += time.perf_counter() - began
+        return seq
+
+    def finish(self, seq: int) -> list[np.ndarray]:
+        """Waits for collective `seq` (from `start`) and returns its sums.
+
+        Raises:
+            PeerLostError: a peer died, closed, aborted or fell silent; the message names it.
+            ProtocolError: a peer sent something else than this worker expects.
+            TransportError: the transport's thread is gone.
+        """
+        began = time.perf_counter()
+        with self._lock:
+            job = self._started.pop(seq, None)
+        if job is None:
+            raise ValueError(f"Collective {seq} was not started, or has finished already.")
+        # Its ring and shared-memory waits end within the peer timeout; this one only
+        # guards against a thread that died of something else.
+        while not job.done.wait(_FINISH_CHECK_SECONDS):
+            if self._thread is None or not self._thread.is_alive():
+                raise TransportError("the transport's collective thread is gone (closed?).")
+        self.stats.seconds += time.perf_counter() - began
+        if job.error is not None:
+            raise job.error
+        return job.layout.views(job.out)
+
+    def _serve(self) -> None:
+        """The collective thread: runs started collectives in order, until `close`."""
+        while (job := self._jobs.get()) is not None:
+            # `start` has gathered the arrays into the result buffer.
+            self._run(job, Layout([job.out]), [job.out])
+
+    def _run(self, job: _Job, layout: Layout, arrays: list[np.ndarray]) -> None:
+        try:
+            if self.failure is not None:
+                raise self.failure
+            if self._across is not None:
+                self._hierarchical_all_reduce(job.seq, layout, arrays, job.out)
+            elif self._shm is not None:
+                self._shm.all_reduce(job.seq, layout, arrays, job.out)
+            else:
+                if arrays[0] is not job.out:
+                    layout.gather(arrays, 0, layout.size, job.out)
+                scratch = self._scratch.take(
+                    (layout.size // self.world + 1) * layout.dtype.itemsize, layout.dtype)
+                ring_all_reduce(self.mesh, job.seq, job.out, scratch)
+        except TransportError as e:
+            if self.failure is None:
                 self._stop(e)
-                raise
-            record["ended"] = time.time()
+            job.error = e
+        else:
+            job.record["ended"] = time.time()
             if self.stats.collectives == 0:
                 # Every peer took part in a collective: start-up is over.
                 phases.enter(phases.TRAINING)
             self.stats.collectives += 1
             self.stats.bytes += layout.nbytes
-            self.stats.seconds += time.perf_counter() - start
-            return layout.views(out)
+        finally:
+            job.done.set()
 
     def _hierarchical_all_reduce(self, seq, layout, arrays, out) -> None:
         self._shm.all_reduce(seq, layout, arrays, out)  # the host's sum, on each of its workers
@@ -205,6 +297,9 @@ class Transport:
 
     def close(self) -> None:
         """Says goodbye to every peer and releases the connections and the segment."""
+        if self._jobs is not None:
+            self._jobs.put(None)
+            self._thread.join(_CLOSE_SECONDS)
         self.mesh.close()
         if self._segment is not None:
             self._segment.close()

@@ -7,12 +7,19 @@ orders every op that touches one resource in program order, through `tf.cond` an
 order they were traced: the same order on every worker, while each one still starts
 as soon as its own inputs exist (the first gradient bucket travels while backward
 computes the rest). The token's value numbers the collective.
+
+Across hosts (`Transport.overlaps`), `all_reduce_buckets` splits each bucket's op in
+two: a start that hands the bucket to the transport's thread and returns, and a finish
+that waits for its sum. Every finish waits for every start, so no finish can hold the
+inter-op thread (one, on a worker pinned to one core) while backward still computes a
+later bucket: the network carries the first buckets while the last are computed.
 """
 
 from __future__ import annotations
 
 import weakref
 
+import numpy as np
 import tensorflow as tf
 
 from tf_distrib.transport.collective import Transport
@@ -38,18 +45,47 @@ def all_reduce(transport: Transport, tensors: list[tf.Tensor]) -> list[tf.Tensor
     if not tensors:
         return []
     tensors = [tf.convert_to_tensor(t) for t in tensors]
-    prepare(transport)
-    token = _tokens[transport]
-    ticket = tf.convert_to_tensor(token.assign_add(1))
-    outputs = tf.numpy_function(
+    return _shaped(_ordered(transport, lambda ticket: tf.numpy_function(
         lambda number, *arrays: transport.all_reduce(list(arrays), seq=int(number)),
         [ticket, *tensors], [t.dtype for t in tensors], stateful=True,
-        name="tf_distrib_all_reduce")
+        name="tf_distrib_all_reduce")), tensors)
+
+
+def all_reduce_buckets(transport: Transport, buckets: list[list[tf.Tensor]]) -> list[list]:
+    """`all_reduce` of each bucket, in order; across hosts the buckets travel while the
+    ops that do not need their sums still run (see the module's docstring).
+
+    Returns:
+        The summed buckets, one list of tensors per bucket.
+    """
+    buckets = [[tf.convert_to_tensor(t) for t in bucket] for bucket in buckets]
+    if not transport.overlaps or tf.executing_eagerly():
+        return [all_reduce(transport, bucket) for bucket in buckets]
+    tickets = [_ordered(transport, lambda ticket, bucket=bucket: tf.numpy_function(
+        lambda number, *arrays: np.int64(transport.start(list(arrays), seq=int(number))),
+        [ticket, *bucket], tf.int64, stateful=True, name="tf_distrib_all_reduce_start"))
+        for bucket in buckets]
+    with tf.control_dependencies(tickets):
+        return [_shaped(tf.numpy_function(
+            lambda number: transport.finish(int(number)), [ticket], [t.dtype for t in bucket],
+            stateful=True, name="tf_distrib_all_reduce_finish"), bucket)
+            for ticket, bucket in zip(tickets, buckets, strict=True)]
+
+
+def _ordered(transport: Transport, collective):
+    """Runs `collective(ticket)` after the transport's previous collective op."""
+    prepare(transport)
+    token = _tokens[transport]
+    outputs = collective(tf.convert_to_tensor(token.assign_add(1)))
+    if not tf.executing_eagerly():
+        with tf.control_dependencies(tf.nest.flatten(outputs)):
+            token.assign_add(0)  # the next collective starts after this one has finished
+    return outputs
+
+
+def _shaped(outputs, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
     if not isinstance(outputs, (list, tuple)):  # one output, run eagerly
         outputs = [outputs]
-    if not tf.executing_eagerly():
-        with tf.control_dependencies(outputs):
-            token.assign_add(0)  # the next collective starts after this one has finished
     for output, tensor in zip(outputs, tensors, strict=True):
         output.set_shape(tensor.shape)
     return list(outputs)

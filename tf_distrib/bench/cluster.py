@@ -65,8 +65,7 @@ def _worker(store: str, rank: int, world: int, host: str, mode: str, dtype_name:
 # `fit` across the hosts: the scaling benchmark's job (tf_distrib.bench.scaling), one
 # worker per host pinned to its own core, against one worker alone on one core.
 FIT_SETTINGS = {"TF collective": {"transport": "tf"}, "tf_distrib": {},
-                "tf_distrib + bf16": {"compression": "bf16"},
-                "tf_distrib, 1 MiB buckets": {"bucket_bytes": 1 << 20}}
+                "tf_distrib + bf16": {"compression": "bf16"}}
 _PORT = 29400
 
 

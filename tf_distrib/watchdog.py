@@ -71,7 +71,7 @@ class Watchdog:
         global _active
         self.task, self.timeout, self.transport, self.key = task, timeout, transport, key
         self._progress = progress
-        self.report_dir = report_dir or os.environ.get(contract.ENV_REPORT_DIR)
+        self.report_dir = report_dir
         self.steps = 0
         self.last_step_at: float | None = None
         self.report: dict | None = None

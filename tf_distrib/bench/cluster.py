@@ -75,7 +75,7 @@ def _fit_worker(settings_json: str) -> None:
 
     os.environ.setdefault("TF_DISTRIB_WORKER_INDEX", "0")
     os.environ.setdefault("TF_DISTRIB_NUM_WORKERS", "1")
-    rate = scaling._worker(json.loads(settings_json))["examples_per_sec"]
+    rate = scaling.train_worker(json.loads(settings_json))["examples_per_sec"]
     print(f"examples_per_sec={rate}", flush=True)
 
 
@@ -85,7 +85,7 @@ def _ddp_worker(rank: str, world: str, master: str) -> None:
 
     os.environ.update(TF_DISTRIB_WORKER_INDEX=rank, TF_DISTRIB_NUM_WORKERS=world,
                       GLOO_SOCKET_IFNAME="eth0")
-    result = pytorch_ddp._worker(_PORT + 1, 60, scaling.PER_WORKER_BATCH, 1, "mlp", master)
+    result = pytorch_ddp.train_worker(_PORT + 1, 60, scaling.PER_WORKER_BATCH, 1, "mlp", master)
     print(f"examples_per_sec={result['examples_per_sec']}", flush=True)
 
 

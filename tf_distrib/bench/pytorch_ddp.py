@@ -33,8 +33,21 @@ def _model(torch, name: str):
                          nn.Linear(512, 10))
 
 
-def _worker(port: int, steps: int, batch: int, accumulation: int, model_name: str,
-            master: str = "127.0.0.1") -> dict:
+def train_worker(port: int, steps: int, batch: int, accumulation: int, model_name: str,
+                 master: str = "127.0.0.1") -> dict:
+    """One PyTorch process of the job (gloo DDP when there are several), on one core.
+
+    Args:
+        port: The rendezvous port on `master`.
+        steps: Optimizer steps to time (after warm-up).
+        batch: Examples per process per step.
+        accumulation: Micro-batches per step (DDP's `no_sync` on all but the last).
+        model_name: "mlp" or "cnn".
+        master: Rank 0's address. Defaults to "127.0.0.1".
+
+    Returns:
+        The same fields as `tf_distrib.bench.scaling.train_worker`.
+    """
     import contextlib
 
     import torch
@@ -88,7 +101,7 @@ def measure(workers: int, model: str = "mlp", steps: int = 60, batch: int = 128,
     from tf_distrib.launch import launch
 
     for attempt in range(2):
-        result = launch(_worker, workers,
+        result = launch(train_worker, workers,
                         args=(free_ports(1)[0], steps, batch, accumulation, model), quiet=True,
                         startup_timeout=None, timeout=600)
         if not result.exit_code:

@@ -100,9 +100,20 @@ def build(model: str, optimizer=None):
     return mlp((1024, 1024), optimizer=optimizer) if model == "mlp" else cnn(optimizer)
 
 
-def _worker(strategy_args: dict | None, accumulation: int | None = None, model: str = "mlp",
-            data: str = "distribute_dataset") -> dict:
-    """One worker's run: {"examples_per_sec": global rate, "cpu_per_step": seconds}."""
+def train_worker(strategy_args: dict | None, accumulation: int | None = None,
+                 model: str = "mlp", data: str = "distribute_dataset") -> dict:
+    """One worker of the job (TF_CONFIG set, or alone), pinned to one core.
+
+    Args:
+        strategy_args: `make_strategy` arguments, or None: one worker alone.
+        accumulation: `gradient_accumulation_steps`. Defaults to None (none).
+        model: A key of `MODELS`. Defaults to "mlp".
+        data: "distribute_dataset" or "plain" (a batched dataset given to `fit`).
+            Defaults to "distribute_dataset".
+
+    Returns:
+        {"examples_per_sec": the job's rate, "cpu_per_step": this worker's CPU seconds}.
+    """
     index = int(os.environ["TF_DISTRIB_WORKER_INDEX"])
     os.sched_setaffinity(0, {index % os.cpu_count()})
     import keras
@@ -154,7 +165,7 @@ def run(options) -> dict:
     from tf_distrib.launch import launch
 
     def tf_run(model, setting):
-        result = launch(_worker, setting.workers,
+        result = launch(train_worker, setting.workers,
                         args=(setting.strategy, setting.accumulation, model, setting.data),
                         quiet=True, timeout=900)
         if result.exit_code:

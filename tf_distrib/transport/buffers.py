@@ -39,15 +39,12 @@ def sum_into(target: np.ndarray, parts: list[np.ndarray]) -> None:
         for part in parts[2:]:
             np.add(target, part, out=target)
         return
-    total, widened = np.empty(min(_WIDE_BLOCK, target.size), wide), None
+    total, widened = np.empty((2, min(_WIDE_BLOCK, target.size)), wide)
     for start in range(0, target.size, _WIDE_BLOCK):
         stop = min(start + _WIDE_BLOCK, target.size)
-        block = total[:stop - start]
+        block, more = total[:stop - start], widened[:stop - start]
         block[...] = parts[0][start:stop]
         for part in parts[1:]:
-            if widened is None:
-                widened = np.empty_like(total)
-            more = widened[:stop - start]
             more[...] = part[start:stop]
             block += more
         target[start:stop] = block

@@ -1,5 +1,6 @@
 """tf_distrib's transport in real worker processes: sums, failures, authentication, fuzzing."""
 
+import dataclasses
 import hashlib
 import os
 import random
@@ -21,6 +22,7 @@ from tf_distrib.transport.errors import Peer
 pytestmark = pytest.mark.multiprocess
 
 DTYPES = {"float32": np.float32, "float16": np.float16}
+SMALL = [1, 3]
 
 
 def _inputs(rank, sizes, dtype_name):
@@ -52,7 +54,10 @@ def sum_on_workers(directory, mode, sizes, dtype_name, repeats=2, secret=b"job s
         arrays = _inputs(rank, sizes, dtype_name)
         for _ in range(repeats):
             result = [np.array(r) for r in t.all_reduce(arrays)]
-        return {"mode": t.mode, "sums": result, "stats": t.stats}
+        stats = dataclasses.replace(t.stats)
+        # A bucket of a few values (the ring's exchange across hosts).
+        small = [np.array(r) for r in t.all_reduce(_inputs(rank, SMALL, dtype_name))]
+        return {"mode": t.mode, "sums": result, "stats": stats, "small": small}
     finally:
         t.close()
 
@@ -72,9 +77,12 @@ def test_sums_are_exact_and_bitwise_identical(tmp_path, mode, world):
             reference = sum(x[k].astype(np.float64) for x in inputs)
             np.testing.assert_allclose(got, reference, rtol=1e-6, atol=1e-5 * world)
             assert got.dtype == np.float32 and got.shape == (sizes[k],)
-    digests = {hashlib.sha256(b"".join(s.tobytes() for s in w.value["sums"])).hexdigest()
-               for w in workers}
+    digests = {hashlib.sha256(b"".join(s.tobytes() for s in w.value["sums"] + w.value["small"]))
+               .hexdigest() for w in workers}
     assert len(digests) == 1
+    small = [_inputs(r, SMALL, "float32") for r in range(world)]
+    for k, got in enumerate(workers[0].value["small"]):
+        np.testing.assert_allclose(got, sum(x[k].astype(np.float64) for x in small), rtol=1e-6)
 
 
 @pytest.mark.parametrize("hosts, mode", [([0, 0, 1, 1], "shm+tcp"), ([0, 0, 0, 1, 1, 1], "shm+tcp"),

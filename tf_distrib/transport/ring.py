@@ -8,7 +8,7 @@ and then copied, so every worker ends with the same bits.
 
 Small buffers (Keras' logged values, every step) skip the ring: each worker sends its
 buffer to every other and sums all of them in rank order, one round trip instead of
-2(N-1) (one float between two simulated hosts: 0.40 ms through the ring).
+2(N-1) (one float between two simulated hosts: 0.29 ms, through the ring 0.40 ms).
 """
 
 from __future__ import annotations

@@ -29,7 +29,9 @@ import sys
 import tempfile
 import time
 
-RATES = {"1gbit": 1e9, "10gbit": 10e9}
+# Link rates in bits/s: those measured, and those the cost model projects to.
+_BITS = {"1gbit": 1e9, "10gbit": 10e9, "25gbit": 25e9, "100gbit": 100e9}
+RATES = {rate: _BITS[rate] for rate in ("1gbit", "10gbit")}
 # Hosts x 1 worker for the cost model: calibrated on 2 hosts, checked on 3 and 4.
 HOST_COUNTS = (2, 3, 4)
 GRADIENT_FLOATS = 784 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10 + 10
@@ -143,58 +145,90 @@ def _link_bytes(buffer_bytes: int, hosts: int, per_host: int, mode: str) -> floa
     return 2 * (world - 1) / world * buffer_bytes
 
 
-def calibrate(rows: list[dict]) -> dict:
-    """The cost model's constants from flat-ring rows of one worker per host.
+# A round of the ring: one float's all-reduce through the ring between two idle simulated
+# hosts took 0.40 ms, two rounds (2026-12-02). Fitting it with the rest traded it for
+# bandwidth (0 to 1.6 ms in different runs).
+ROUND_SECONDS = 2.0e-4
 
-    A ring all-reduce of B bytes over N workers, on links of R bytes/s, takes
 
-        t = 2(N-1) a + 2(N-1)/N B / (e R) + c B
+def calibrate(rows: list[dict], cores: int) -> dict:
+    """The cost model's constants from the rows of 2 hosts.
 
-    a: seconds per ring step (a frame's round trip and thread hand-offs), e: the share
-    of the link's rate the ring's TCP streams reach, c: seconds of CPU per byte that do
-    not overlap the network (gathering, summing, copying). A least-squares fit of
-    (a, 1/e, c), the model being linear in them.
+    An all-reduce of B bytes (E elements) over H hosts on links of R bytes/s takes
+
+        t = S a + L / (e R) + o (c T + d U + s M)
+
+    A flat ring of N workers: S = 2(N-1) rounds of messages, L = 2(N-1)/N B sent over
+    each host's link, T = L bytes sent (and received) by each worker's TCP, U = (N-1)/N E
+    elements summed by each worker, M = 0. Hierarchical (P workers per host, P rings of
+    H hosts): S = 2(H-1), L = 2(H-1)/H B, T = L / P, U = (H-1)/H E / P, and M = B bytes
+    through the host's shared memory. o: processes per core, at least 1 (3 or 4
+    simulated hosts share this machine's cores). a: seconds per round (a round trip and
+    thread hand-offs: `ROUND_SECONDS`, measured apart), e: the share of the link's rate
+    the TCP streams reach, c: CPU seconds per byte (copies, the kernel's TCP), d: per
+    element summed (bfloat16 is summed in float32), s: per byte of shared memory. e by
+    a grid, (c, d, s) by least squares on the relative error, none negative.
+
+    Args:
+        rows: Measured rows ("rate", "hosts", "per_host", "mode", "dtype", "bytes",
+            "seconds").
+        cores: The cores the simulated hosts shared.
     """
     import numpy as np
 
-    features = [[2 * (r["hosts"] - 1), 2 * (r["hosts"] - 1) / r["hosts"] * r["bytes"]
-                 / (RATES[r["rate"]] / 8), r["bytes"]] for r in rows]
-    (a, inverse_e, c), *_ = np.linalg.lstsq(np.array(features),
-                                            np.array([r["seconds"] for r in rows]), rcond=None)
-    return {"a": float(a), "e": float(1 / inverse_e), "c": float(c)}
+    measured = np.array([r["seconds"] for r in rows])
+    best = None
+    for e in np.linspace(0.85, 1.15, 31):
+        terms = [_terms(r, e, cores) for r in rows]
+        linear = np.array([t[0][1:] for t in terms]) / measured[:, None]
+        rest = (measured - np.array([t[1] + ROUND_SECONDS * t[0][0] for t in terms])) / measured
+        coefficients, *_ = np.linalg.lstsq(linear, rest, rcond=None)
+        if (coefficients < 0).any():
+            continue
+        worst = np.max(np.abs(linear @ coefficients - rest))
+        if best is None or worst < best[0]:
+            best = (worst, e, coefficients)
+    _, e, (c, d, s) = best
+    return {"a": ROUND_SECONDS, "e": float(e), "c": float(c), "d": float(d), "s": float(s)}
 
 
-def predict(model: dict, workers: int, buffer_bytes: float, link_bits: float,
-            per_host: int = 1, shm_seconds_per_byte: float = 0.0) -> float:
-    """Seconds of one all-reduce by the model: a flat ring, or hierarchical with `per_host`.
+def predict(model: dict, row: dict, cores: int | None = None) -> float:
+    """Seconds of one all-reduce of `row` ("rate", "hosts", "per_host", "mode", "dtype",
+    "bytes") by the model; `cores` shared by every process (None: each host its own)."""
+    linear, link = _terms(row, model["e"], cores)
+    return link + sum(k * v for k, v in zip((model["a"], model["c"], model["d"], model["s"]),
+                                            linear, strict=True))
 
-    Hierarchical: the host's shared memory (`shm_seconds_per_byte`), then `per_host`
-    rings of H = workers / per_host hosts at once, each on 1/per_host of the bytes,
-    sharing the host's link.
-    """
-    hosts = workers // per_host
-    link = model["e"] * link_bits / 8
-    ring = (2 * (hosts - 1) * model["a"] + 2 * (hosts - 1) / hosts * buffer_bytes / link
-            + model["c"] * buffer_bytes / per_host) if hosts > 1 else 0.0
-    return ring + (shm_seconds_per_byte * buffer_bytes if per_host > 1 else 0.0)
+
+def _terms(row: dict, e: float, cores: int | None) -> tuple[list[float], float]:
+    """([S, o T, o U, o M], L / (e R)) of `calibrate`'s model for one row."""
+    hosts, per_host, nbytes = row["hosts"], row["per_host"], row["bytes"]
+    hierarchical = row["mode"] == "shm+tcp"
+    ring, share = (hosts, per_host) if hierarchical else (hosts * per_host, 1)
+    over = max(1.0, hosts * per_host / cores) if cores else 1.0
+    elements = nbytes / (2 if row["dtype"] == "bfloat16" else 4)
+    sent = 2 * (ring - 1) / ring * nbytes  # by each ring, over each host's link
+    return ([2 * (ring - 1), over * sent / share, over * (ring - 1) / ring * elements / share,
+             over * nbytes if hierarchical else 0.0], sent / (e * _BITS[row["rate"]] / 8))
 
 
 # What the projection assumes of each model: gradient floats and compute seconds per step.
 # The MLP's step is one worker's on this host (docs/performance.md); ResNet-50's (25.6M
 # parameters) a GPU-class step of 0.2 s, where the network matters most.
 PROJECTED_MODELS = {"MLP": (GRADIENT_FLOATS, 0.0066), "ResNet-50": (25_600_000, 0.2)}
-PROJECTED_LINKS = {"10 Gbit/s": 10e9, "25 Gbit/s": 25e9, "100 Gbit/s": 100e9}
+PROJECTED_LINKS = {"10 Gbit/s": "10gbit", "25 Gbit/s": "25gbit", "100 Gbit/s": "100gbit"}
 PROJECTED_WORKERS = (2, 8, 64, 512)
 PER_HOST = 8
 
 
 def project(model: dict) -> list[dict]:
     """Scaling efficiency by the model (compute / (compute + all-reduce / K), no overlap)
-    from 2 to 512 workers: flat ring (1 worker per host) and hierarchical (8 per host),
-    float32 and bfloat16, every step (K=1) or every 4th (accumulation, K=4)."""
+    from 2 to 512 workers, each host with cores of its own: flat ring (1 worker per host)
+    and hierarchical (8 per host), float32 and bfloat16, every step (K=1) or every 4th
+    (accumulation, K=4)."""
     rows = []
     for name, (floats, compute) in PROJECTED_MODELS.items():
-        for link, bits in PROJECTED_LINKS.items():
+        for link, rate in PROJECTED_LINKS.items():
             for scheme, per_host in (("flat", 1), ("hierarchical", PER_HOST)):
                 for dtype, itemsize in (("float32", 4), ("bfloat16", 2)):
                     for k in (1, 4):
@@ -202,8 +236,10 @@ def project(model: dict) -> list[dict]:
                         for n in PROJECTED_WORKERS:
                             if n % per_host:
                                 continue
-                            seconds = predict(model, n, floats * itemsize, bits, per_host,
-                                              model["shm_seconds_per_byte"])
+                            seconds = predict(model, {
+                                "rate": rate, "hosts": n // per_host, "per_host": per_host,
+                                "mode": "shm+tcp" if per_host > 1 else "tcp",
+                                "dtype": dtype, "bytes": floats * itemsize})
                             efficiency[n] = compute / (compute + seconds / k)
                         rows.append({"model": name, "link": link, "scheme": scheme,
                                      "dtype": dtype, "K": k, "efficiency": efficiency})
@@ -227,21 +263,14 @@ def run(options) -> dict:
                     for dtype_name, itemsize in (("float32", 4), ("bfloat16", 2)):
                         rows.append(_row(hosts, rate, bits, per_host, mode, dtype_name,
                                          GRADIENT_FLOATS * itemsize))
-    flat = [r for r in rows if r["per_host"] == 1]
-    model = calibrate([r for r in flat if r["hosts"] == 2])
-    hierarchical = [r for r in rows if r["mode"] == "shm+tcp"]
-    # The shared-memory part, per byte: what the hierarchical rows take beyond their rings.
-    model["shm_seconds_per_byte"] = statistics.median(
-        (r["seconds"] - predict(model, r["hosts"] * r["per_host"], r["bytes"],
-                                RATES[r["rate"]], r["per_host"])) / r["bytes"]
-        for r in hierarchical) if hierarchical else 0.0
-    print(f"cost model from the 2-host rows: a = {model['a'] * 1e6:.0f} us per ring step, "
-          f"e = {model['e']:.0%} of the link, c = {model['c'] * 1e9:.2f} ns/byte of CPU, "
-          f"shared memory {model['shm_seconds_per_byte'] * 1e9:.2f} ns/byte")
+    cores = len(os.sched_getaffinity(0))
+    model = calibrate([r for r in rows if r["hosts"] == 2], cores)
+    print(f"cost model from the 2-host rows: a = {model['a'] * 1e6:.0f} us per round, "
+          f"e = {model['e']:.0%} of the link, c = {model['c'] * 1e9:.2f} ns/byte and "
+          f"d = {model['d'] * 1e9:.2f} ns/element of CPU, shared memory "
+          f"{model['s'] * 1e9:.2f} ns/byte")
     for r in rows:
-        r["predicted_seconds"] = predict(model, r["hosts"] * r["per_host"], r["bytes"],
-                                         RATES[r["rate"]], r["per_host"] if r["mode"] ==
-                                         "shm+tcp" else 1, model["shm_seconds_per_byte"])
+        r["predicted_seconds"] = predict(model, r, cores)
         print(f"  {r['rate']:>7} {r['hosts']}x{r['per_host']} {r['mode']:>8} {r['dtype']:>9}: "
               f"measured {r['seconds'] * 1e3:6.1f} ms, predicted "
               f"{r['predicted_seconds'] * 1e3:6.1f} ms "

@@ -5,8 +5,7 @@ token variable that belongs to the transport. Inside a `tf.function`, TensorFlow
 orders every op that touches one resource in program order, through `tf.cond` and
 `tf.while_loop` bodies too, so the collectives of a step run one at a time, in the
 order they were traced: the same order on every worker, while each one still starts
-as soon as its own inputs exist (the first gradient bucket travels while backward
-computes the rest). The token's value numbers the collective.
+as soon as its own inputs exist. The token's value numbers the collective.
 
 Across hosts (`Transport.overlaps`), `all_reduce_buckets` splits each bucket's op in
 two: a start that hands the bucket to the transport's thread and returns, and a finish
@@ -79,7 +78,7 @@ def _ordered(transport: Transport, collective):
     outputs = collective(tf.convert_to_tensor(token.assign_add(1)))
     if not tf.executing_eagerly():
         with tf.control_dependencies(tf.nest.flatten(outputs)):
-            token.assign_add(0)  # the next collective starts after this one has finished
+            token.assign_add(0)  # the next collective op runs after this one has returned
     return outputs
 
 

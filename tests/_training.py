@@ -6,12 +6,15 @@ KILL_SIGNALS = {"SIGKILL": 9, "SIGTERM": 15}
 def train_with_backup(backup_dir, epochs=3, save_freq=10, kill_at=None, kill_worker=0,
                       kill_with="SIGKILL", logical_cpus=None, num_examples=1024,
                       global_batch_size=32, slow_saves=None, shuffle_buffer=None,
-                      repeat=False):
+                      repeat=False, kill_when_saved=False):
     """Trains with BackupAndRestore; on the launcher's first attempt, worker
     `kill_worker` kills itself after `kill_at` steps. Returns weights and counters.
 
     `slow_saves` maps global steps to seconds their backup pauses after writing its first
     array, on the first attempt (writing happens in the background: training goes on).
+    With `kill_when_saved` the kill waits (60 s at most) for the backup being written, so
+    that the newest backup is the one of the last multiple of `save_freq` however loaded
+    the machine is.
     """
     import os
     import signal
@@ -64,6 +67,8 @@ def train_with_backup(backup_dir, epochs=3, save_freq=10, kill_at=None, kill_wor
             def on_train_batch_end(self, batch, logs=None):
                 Kill.steps += 1
                 if Kill.steps == kill_at:
+                    if kill_when_saved:
+                        backup._writer.wait(60)
                     os.kill(os.getpid(), getattr(signal, kill_with))
 
         callbacks.append(Kill())

@@ -35,12 +35,15 @@ def assert_bitwise_equal(a, b):
 @pytest.mark.parametrize("logical_cpus", [None, 4], ids=["no strategy", "mirrored x4"])
 @pytest.mark.multiprocess
 def test_mid_epoch_crash_resumes_bitwise_exactly(tmp_path, logical_cpus):
-    # 1024 examples / 32 = 32 steps per epoch; SIGKILL at step 45 (epoch 1, step 13);
-    # the last backup is step 40, so 8 steps of epoch 1 are skipped on resume.
+    # 1024 examples / 32 = 32 steps per epoch; SIGKILL at step 45 (epoch 1, step 13)
+    # once the backup of step 40 is written (in the background: on a loaded machine it
+    # was not, 5 steps later, and the job resumed from step 32), so 8 steps of epoch 1
+    # are skipped on resume.
     [reference] = run_workers(train_with_backup, 1, args=(str(tmp_path / "ref"),),
                               kwargs={"logical_cpus": logical_cpus}, quiet=True)
     result = launch(train_with_backup, 1, args=(str(tmp_path / "b"),),
-                    kwargs={"logical_cpus": logical_cpus, "kill_at": 45}, max_restarts=1,
+                    kwargs={"logical_cpus": logical_cpus, "kill_at": 45,
+                            "kill_when_saved": True}, max_restarts=1,
                     startup_timeout=None, quiet=True, timeout=240)
     assert result.exit_code == 0, result.failure_report()
     assert result.exit_codes[0] == [-9]

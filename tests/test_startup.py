@@ -107,7 +107,7 @@ def test_under_hosts_a_stopped_remote_worker_is_named_by_its_host_and_its_peer(
 def test_a_slow_but_alive_start_is_waited_for_within_the_startup_timeout(tmp_path,
                                                                          uninterrupted):
     result = launch(train, 2, kwargs={"backup_dir": str(tmp_path), "epochs": EPOCHS,
-                                      "slow_start": 40},
+                                      "slow_start": 30},
                     hang_timeout=HANG_TIMEOUT, startup_timeout=90, quiet=True, timeout=400)
     _assert_bitwise(result, uninterrupted)
     assert result.restarts == 0
@@ -115,7 +115,7 @@ def test_a_slow_but_alive_start_is_waited_for_within_the_startup_timeout(tmp_pat
 
 def test_a_start_slower_than_the_startup_timeout_is_named(tmp_path):
     start = time.monotonic()
-    result = launch(train, 2, kwargs={"backup_dir": str(tmp_path), "slow_start": 40},
+    result = launch(train, 2, kwargs={"backup_dir": str(tmp_path), "slow_start": 30},
                     hang_timeout=HANG_TIMEOUT, startup_timeout=20, grace_period=1,
                     quiet=True, timeout=400)
     assert result.exit_code != 0

@@ -37,10 +37,10 @@ class GradientAllReduce:
     Args:
         compression: "bf16", "fp16", "none" or a `Compressor`. Defaults to None (none).
         bucket_bytes: Largest bucket of consecutive gradients, in bytes (a larger
-            gradient travels alone). Defaults to None: 25 MiB, PyTorch DDP's default.
-            Across hosts (a transport that `overlaps`), the first bucket also closes
+            gradient travels alone). Defaults to None: 25 MiB, PyTorch DDP's default,
+            and across hosts (a transport that `overlaps`) a first bucket that closes
             once it holds 1 MiB, as DDP's does: its sum travels while backward computes
-            the rest.
+            the rest. A value given here is the only limit.
         transport: A `tf_distrib.transport.Transport` to carry dense buckets. Defaults
             to None: TensorFlow's collective (then each bucket is packed into one tensor).
     """
@@ -50,6 +50,7 @@ class GradientAllReduce:
         self.compressor = get_compressor(compression)
         self.bucket_bytes = (bucketing.DEFAULT_BUCKET_BYTES if bucket_bytes is None
                              else check_int("bucket_bytes", bucket_bytes))
+        self._first_bucket_bytes = bucketing.FIRST_BUCKET_BYTES if bucket_bytes is None else None
         self.transport = transport
 
     def __call__(self, grads: list) -> list:
@@ -73,7 +74,7 @@ class GradientAllReduce:
         overlaps = self.transport is not None and self.transport.overlaps
         plan = bucketing.plan_buckets(
             values, self.bucket_bytes,
-            first_bucket_bytes=bucketing.FIRST_BUCKET_BYTES if overlaps else None)
+            first_bucket_bytes=self._first_bucket_bytes if overlaps else None)
         if self.transport is not None:
             encoded = [[encode_for_sum(self.compressor, values[k], n) for k in members]
                        for members in plan]

@@ -281,24 +281,29 @@ def test_wrong_secret_is_refused_and_logged(tmp_path):
 def test_a_stranger_sending_garbage_is_refused_and_the_mesh_still_forms(tmp_path):
     def connect(directory):
         rank = int(os.environ["TF_DISTRIB_WORKER_INDEX"])
-        if rank == 1:
-            time.sleep(3)  # the stranger gets there first
-        t = transport.connect(rank, ["worker:0", "worker:1"], "127.0.0.1",
-                              transport.FileStore(directory), secret=b"s", timeout=30)
+        store = transport.FileStore(directory)
+        if rank == 1:  # the stranger's connections queue up at worker 0 before this one's
+            store.get("test/stranger_sent", 60)
+        t = transport.connect(rank, ["worker:0", "worker:1"], "127.0.0.1", store, secret=b"s",
+                              timeout=60)
         [total] = t.all_reduce([np.full(10, rank + 1.0, np.float32)])
         t.close()
         return float(total[0])
 
     def stranger():
         store = transport.FileStore(str(tmp_path))
-        info = store.get("tf_distrib/transport/0", 30)
+        info = store.get("tf_distrib/transport/0", 60)
         import json
 
         host, _, port = json.loads(info)["address"].rpartition(":")
-        for blob in (os.urandom(100), wire.header(wire.Kind.HELLO, length=36) + os.urandom(36)):
-            with socket.create_connection((host, int(port))) as s:
-                s.sendall(blob)
-                s.settimeout(5)
+        blobs = (os.urandom(100), wire.header(wire.Kind.HELLO, length=36) + os.urandom(36))
+        sockets = [socket.create_connection((host, int(port))) for _ in blobs]
+        for s, blob in zip(sockets, blobs, strict=True):
+            s.sendall(blob)
+        store.set("test/stranger_sent", "yes")
+        for s in sockets:
+            with s:
+                s.settimeout(60)
                 try:
                     assert s.recv(1000) == b""  # closed without a word
                 except ConnectionResetError:

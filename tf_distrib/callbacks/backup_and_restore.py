@@ -163,8 +163,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             if restored is not None:
                 self._restore(*restored)
         if self.save_before_preemption:
-            self._preemption = PreemptionWatcher(multi_worker=_is_multi_worker(strategy),
-                                                 model=self.model)
+            tasks, me = (shared_directory.cluster_tasks(strategy) if _is_multi_worker(strategy)
+                         else ((), None))
+            self._preemption = PreemptionWatcher(tasks, me, model=self.model)
 
     def _restore(self, manifest, arrays):
         """Resumes from a backup: fit's first epoch now, the state now or at the first step."""

@@ -2,10 +2,13 @@
 
 SIGTERM reaches one worker, while every worker must save at the same step (saving
 takes part in collectives). The first worker that sees the signal publishes a stop
-step a little ahead of its own in the coordination service's key-value store; every
-worker watches that key from a thread and stops at that step. Synchronous workers
-are never more than one step apart, so a margin of two steps is always ahead of
-all of them. No collective runs per step.
+step one past its own in the coordination service's key-value store; every worker
+watches that key from a thread and, once it has read it, says so under a key of its
+own. The announcing worker waits for every worker's word before it steps on: until
+then no peer can finish a step that needs its gradients, so every peer learns the
+stop step before it can pass it, however late its watching thread runs. (A watcher
+that merely polls could learn it too late: the peer would step past the stop step
+into a collective that the stopped worker never joins.) No collective runs per step.
 """
 
 from __future__ import annotations
@@ -14,13 +17,16 @@ import os
 import signal
 import sys
 import threading
+import time
+from collections.abc import Sequence
 
 import tensorflow as tf
 
 from tf_distrib import _compat
 
-_STOP_MARGIN_STEPS = 2
+_STOP_MARGIN_STEPS = 1
 _POLL_MS = 1000
+_AGREE_MS = 60_000
 
 
 class PreemptionWatcher:
@@ -32,7 +38,9 @@ class PreemptionWatcher:
     and otherwise restores the previous handler and hands it the signal.
 
     Args:
-        multi_worker: Whether peers must agree through the coordination service.
+        tasks: Every worker's task name ("worker:0", ...), when several workers must
+            agree through the coordination service. Defaults to none: one worker.
+        me: This worker's task name, one of `tasks`. Defaults to None (one worker).
         model: The Keras model whose `fit` is running. Defaults to None: the handler
             stays until `close()`.
     """
@@ -40,14 +48,15 @@ class PreemptionWatcher:
     _runs = 0
     _active: PreemptionWatcher | None = None
 
-    def __init__(self, multi_worker: bool, model=None):
+    def __init__(self, tasks: Sequence[str] = (), me: str | None = None, model=None):
         if PreemptionWatcher._active is not None:  # left behind by a fit that raised
             PreemptionWatcher._active.close()
         PreemptionWatcher._active = self
         self._fit_frame = _find_fit_frame(model) if model is not None else None
         PreemptionWatcher._runs += 1
         self._key = f"tf_distrib/preemption/{PreemptionWatcher._runs}"
-        self._multi_worker = multi_worker
+        self._tasks, self._me = list(tasks), me
+        self._multi_worker = len(self._tasks) > 1
         self._signalled = False
         self._announced = False
         self._stop_at: int | None = None
@@ -55,7 +64,7 @@ class PreemptionWatcher:
         self._previous = None
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
-        if multi_worker:
+        if self._multi_worker:
             threading.Thread(target=self._watch, name="tf_distrib-preemption",
                              daemon=True).start()
 
@@ -79,6 +88,11 @@ class PreemptionWatcher:
             except Exception:  # the cluster is shutting down; nothing left to watch
                 return
             self._stop_at = int(value)
+            try:
+                _compat.coordination_service().set_config_key_value(
+                    f"{self._key}/seen/{self._me}", value)
+            except Exception:  # the cluster is shutting down; nobody waits for the word
+                pass
             return
 
     def stop_step(self, step: int) -> int | None:
@@ -92,14 +106,27 @@ class PreemptionWatcher:
             if not self._multi_worker:
                 self._stop_at = step
             else:
-                try:
-                    _compat.coordination_service().set_config_key_value(
-                        self._key, str(step + _STOP_MARGIN_STEPS))
-                except tf.errors.AlreadyExistsError:
-                    pass  # a peer was first: its step holds for everyone
-                self._stop_at = int(
-                    _compat.coordination_service().get_config_key_value(self._key, 60_000))
+                self._stop_at = self._announce(step + _STOP_MARGIN_STEPS)
         return self._stop_at
+
+    def _announce(self, stop_at: int) -> int:
+        """Publishes `stop_at` (unless a peer was first) and returns it once all have read it."""
+        service = _compat.coordination_service()
+        try:
+            service.set_config_key_value(self._key, str(stop_at))
+        except tf.errors.AlreadyExistsError:
+            pass  # a peer was first: its step holds for everyone
+        agreed = int(service.get_config_key_value(self._key, _AGREE_MS))
+        deadline = time.monotonic() + _AGREE_MS / 1000
+        for task in self._tasks:
+            left_ms = max(1, int((deadline - time.monotonic()) * 1000))
+            try:
+                service.get_config_key_value(f"{self._key}/seen/{task}", left_ms)
+            except tf.errors.DeadlineExceededError:
+                print(f"tf_distrib: {task} did not read the preemption stop step (step "
+                      f"{agreed}) within {_AGREE_MS // 1000} s; saving at it anyway.",
+                      file=sys.stderr, flush=True)
+        return agreed
 
     def close(self) -> None:
         """Stops watching and restores the previous SIGTERM handler."""

@@ -153,8 +153,8 @@ def fit_loss(strategy):
     with strategy.scope():
         model = build_model()
     dataset = td.data.distribute_dataset(
-        strategy, tf.data.Dataset.from_tensor_slices(make_data(2048)), 64)
-    return model.fit(dataset, epochs=3, verbose=0).history["loss"][-1]
+        strategy, tf.data.Dataset.from_tensor_slices(make_data(1024)), 64)
+    return model.fit(dataset, epochs=2, verbose=0).history["loss"][-1]
 
 
 def test_fit_with_each_op_converges_like_the_default():
@@ -183,8 +183,8 @@ def compressed_mwms_job(compression, bucket_bytes, transport):
     with strategy.scope():
         model = build_model()
     dataset = td.data.distribute_dataset(
-        strategy, tf.data.Dataset.from_tensor_slices(make_data(2048)), 64)
-    history = model.fit(dataset, epochs=3, verbose=0)
+        strategy, tf.data.Dataset.from_tensor_slices(make_data(1024)), 64)
+    history = model.fit(dataset, epochs=2, verbose=0)
     return {"loss": history.history["loss"], "weights": [w.numpy() for w in model.weights],
             "sent": gradient_collectives(strategy, model),
             "mode": getattr(strategy.transport, "mode", None)}

@@ -1,4 +1,4 @@
-"""The benchmark runner's own plumbing (the benchmarks themselves run with `make bench`)."""
+"""The benchmark runner's plumbing and the cluster cost model (benchmarks run with `make bench`)."""
 
 import pytest
 
@@ -9,3 +9,38 @@ def test_a_failed_benchmark_process_says_why():
     with pytest.raises(RuntimeError, match=r"(?s)tf_distrib\.no_such_bench failed with exit "
                                            r"status 1:.*No module named"):
         run_in_fresh_process("tf_distrib.no_such_bench")
+
+
+def _rows(model):
+    """Rows as `bench cluster` measures them, timed by `model` itself."""
+    from tf_distrib.bench import cluster
+
+    rows = [{"rate": rate, "hosts": 2, "per_host": per_host, "mode": mode, "dtype": dtype,
+             "bytes": nbytes}
+            for rate in ("1gbit", "10gbit") for per_host, mode in ((1, "tcp"), (2, "shm+tcp"))
+            for dtype in ("float32", "bfloat16") for nbytes in (1 << 20, 7 << 20)]
+    for row in rows:
+        row["seconds"] = cluster.predict(model, row, cores=2)
+    return rows
+
+
+def test_the_cost_model_recovers_the_constants_it_was_measured_with():
+    from tf_distrib.bench import cluster
+
+    truth = {"a": cluster.ROUND_SECONDS, "e": 0.95, "c": 5e-10, "d": 2e-9, "s": 1e-9}
+    model = cluster.calibrate(_rows(truth), cores=2)
+    # Three hosts, never calibrated on: predicted as the true constants predict it.
+    row = {"rate": "10gbit", "hosts": 3, "per_host": 1, "mode": "tcp", "dtype": "float32",
+           "bytes": 7 << 20}
+    assert cluster.predict(model, row, cores=2) == pytest.approx(
+        cluster.predict(truth, row, cores=2), rel=0.02)
+
+
+def test_the_cost_model_says_when_it_has_no_fit():
+    from tf_distrib.bench import cluster
+
+    rows = _rows({"a": cluster.ROUND_SECONDS, "e": 1.0, "c": 0.0, "d": 0.0, "s": 0.0})
+    for row in rows:
+        row["seconds"] *= 0.5  # faster than the link alone: only negative constants fit
+    with pytest.raises(ValueError, match="no fit with non-negative constants"):
+        cluster.calibrate(rows, cores=2)

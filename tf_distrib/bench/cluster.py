@@ -188,6 +188,11 @@ def calibrate(rows: list[dict], cores: int) -> dict:
         worst = np.max(np.abs(linear @ coefficients - rest))
         if best is None or worst < best[0]:
             best = (worst, e, coefficients)
+    if best is None:
+        raise ValueError(
+            f"The cost model has no fit with non-negative constants to these {len(rows)} "
+            "rows (a slower run with less data than the time it takes?). Calibrate on "
+            "every 2-host row of one `tf-distrib bench cluster` run.")
     _, e, (c, d, s) = best
     return {"a": ROUND_SECONDS, "e": float(e), "c": float(c), "d": float(d), "s": float(s)}
 

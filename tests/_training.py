@@ -6,7 +6,7 @@ KILL_SIGNALS = {"SIGKILL": 9, "SIGTERM": 15}
 def train_with_backup(backup_dir, epochs=3, save_freq=10, kill_at=None, kill_worker=0,
                       kill_with="SIGKILL", logical_cpus=None, num_examples=1024,
                       global_batch_size=32, slow_saves=None, shuffle_buffer=None,
-                      repeat=False, kill_when_saved=False):
+                      repeat=False, kill_when_saved=False, late_watcher=False):
     """Trains with BackupAndRestore; on the launcher's first attempt, worker
     `kill_worker` kills itself after `kill_at` steps. Returns weights and counters.
 
@@ -14,7 +14,8 @@ def train_with_backup(backup_dir, epochs=3, save_freq=10, kill_at=None, kill_wor
     array, on the first attempt (writing happens in the background: training goes on).
     With `kill_when_saved` the kill waits (60 s at most) for the backup being written, so
     that the newest backup is the one of the last multiple of `save_freq` however loaded
-    the machine is.
+    the machine is. With `late_watcher`, worker 0's preemption watcher learns a stop step
+    2 s after it was published, as on a loaded machine, on the first attempt.
     """
     import os
     import signal
@@ -60,6 +61,22 @@ def train_with_backup(backup_dir, epochs=3, save_freq=10, kill_at=None, kill_wor
             step, slowly(arrays, slow_saves.get(step, 0)), *a)
     callbacks = [backup]
     first_attempt = os.environ.get("TF_DISTRIB_ATTEMPT", "0") == "0"
+    if late_watcher and first_attempt and os.environ["TF_DISTRIB_WORKER_INDEX"] == "0":
+        import threading
+        import time
+
+        from tf_distrib import _compat
+
+        service = _compat.coordination_service()
+        get = service.get_config_key_value
+
+        def late_get(*args):
+            value = get(*args)
+            if threading.current_thread().name == "tf_distrib-preemption":
+                time.sleep(2)
+            return value
+
+        service.get_config_key_value = late_get
     if kill_at and first_attempt and os.environ["TF_DISTRIB_WORKER_INDEX"] == str(kill_worker):
         class Kill(keras.callbacks.Callback):
             steps = 0

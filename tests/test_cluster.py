@@ -40,6 +40,8 @@ def test_chief_cluster():
     assert spec.environment == "cloud"
     worker0 = parse_tf_config(config(cluster={"chief": ["h0:1"], "worker": ["h1:1"]}))
     assert not worker0.is_chief
+    assert spec.task == "chief:0" and worker0.task == "worker:0"
+    assert spec.training_tasks == ["chief:0", "worker:0", "worker:1"]
 
 
 @pytest.mark.parametrize("value, field", [

@@ -91,6 +91,17 @@ class ClusterSpec:
         return sum(len(self.cluster.get(role, ())) for role in TRAINING_ROLES)
 
     @property
+    def task(self) -> str:
+        """This process's task name, "role:index" (e.g. "worker:1")."""
+        return f"{self.task_type}:{self.task_index}"
+
+    @property
+    def training_tasks(self) -> list[str]:
+        """The task names of the processes that train, the chief's first."""
+        return [f"{role}:{i}" for role in TRAINING_ROLES
+                for i in range(len(self.cluster.get(role, ())))]
+
+    @property
     def is_chief(self) -> bool:
         """Whether this task saves checkpoints and writes summaries.
 
@@ -311,6 +322,14 @@ def _parse_task(task, cluster) -> tuple[str, int]:
             f"address(es): use an index from 0 to {size - 1}."
         )
     return task_type, index
+
+
+def spec_of(strategy) -> ClusterSpec:
+    """The `ClusterSpec` of a MultiWorkerMirroredStrategy, from its cluster resolver."""
+    resolver = strategy.cluster_resolver
+    return ClusterSpec({role: tuple(addresses) for role, addresses
+                        in resolver.cluster_spec().as_dict().items()},
+                       resolver.task_type, resolver.task_id)
 
 
 def from_environment(environ: Mapping[str, str] | None = None) -> ClusterSpec | None:

@@ -365,7 +365,7 @@ def make_strategy(cross_device_ops: tf.distribute.CrossDeviceOps | None = None, 
             reduce = gradients.GradientAllReduce(compression, bucket_bytes, strategy.transport)
         optimizer_hooks.mark(strategy, reduce)
         if hang_timeout != math.inf:
-            strategy.start_watchdog(f"{spec.task_type}:{spec.task_index}", hang_timeout,
+            strategy.start_watchdog(spec.task, hang_timeout,
                                     f"{keys}/hang")
         phases.enter(phases.BUILDING)
         return strategy
@@ -400,12 +400,11 @@ def _connect_transport(strategy, spec, mode, connect_timeout, communication_time
         raise ValueError(f"transport={mode!r} carries one CPU replica per worker; this worker "
                          f"has {local} {'GPU' if gpus else 'CPU'} replica(s). Use "
                          "transport='auto' or 'tf'.")
-    tasks = [f"{role}:{i}" for role in cluster_lib.TRAINING_ROLES
-             for i in range(len(spec.cluster.get(role, ())))]
+    tasks = spec.training_tasks
     secret = os.environ.get(contract.ENV_SECRET)
     try:
         carrier = transport_lib.connect(
-            tasks.index(f"{spec.task_type}:{spec.task_index}"), tasks,
+            tasks.index(spec.task), tasks,
             spec.address.rpartition(":")[0], transport_lib.CoordinationServiceStore(),
             secret=secret.encode() if secret else None, mode="auto" if mode == "auto" else mode,
             timeout=min(connect_timeout, transport_lib.DEFAULT_CONNECT_TIMEOUT),

@@ -9,7 +9,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_distrib import _compat, data, phases, watchdog
+from tf_distrib import _compat, cluster, data, phases, watchdog
 from tf_distrib._checks import check_int, is_int
 from tf_distrib.callbacks import shared_directory
 from tf_distrib.callbacks.background_save import BackgroundSave
@@ -163,9 +163,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             if restored is not None:
                 self._restore(*restored)
         if self.save_before_preemption:
-            tasks, me = (shared_directory.cluster_tasks(strategy) if _is_multi_worker(strategy)
-                         else ((), None))
-            self._preemption = PreemptionWatcher(tasks, me, model=self.model)
+            self._preemption = PreemptionWatcher(
+                cluster.spec_of(strategy) if _is_multi_worker(strategy) else None,
+                model=self.model)
 
     def _restore(self, manifest, arrays):
         """Resumes from a backup: fit's first epoch now, the state now or at the first step."""

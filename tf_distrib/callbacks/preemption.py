@@ -18,11 +18,11 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
 
 import tensorflow as tf
 
 from tf_distrib import _compat
+from tf_distrib.cluster import ClusterSpec
 
 _STOP_MARGIN_STEPS = 1
 _POLL_MS = 1000
@@ -38,9 +38,8 @@ class PreemptionWatcher:
     and otherwise restores the previous handler and hands it the signal.
 
     Args:
-        tasks: Every worker's task name ("worker:0", ...), when several workers must
-            agree through the coordination service. Defaults to none: one worker.
-        me: This worker's task name, one of `tasks`. Defaults to None (one worker).
+        spec: The cluster, when several workers must agree through the coordination
+            service. Defaults to None: one worker.
         model: The Keras model whose `fit` is running. Defaults to None: the handler
             stays until `close()`.
     """
@@ -48,14 +47,15 @@ class PreemptionWatcher:
     _runs = 0
     _active: PreemptionWatcher | None = None
 
-    def __init__(self, tasks: Sequence[str] = (), me: str | None = None, model=None):
+    def __init__(self, spec: ClusterSpec | None = None, model=None):
         if PreemptionWatcher._active is not None:  # left behind by a fit that raised
             PreemptionWatcher._active.close()
         PreemptionWatcher._active = self
         self._fit_frame = _find_fit_frame(model) if model is not None else None
         PreemptionWatcher._runs += 1
         self._key = f"tf_distrib/preemption/{PreemptionWatcher._runs}"
-        self._tasks, self._me = list(tasks), me
+        self._tasks = spec.training_tasks if spec is not None else []
+        self._me = spec.task if spec is not None else None
         self._multi_worker = len(self._tasks) > 1
         self._signalled = False
         self._announced = False

@@ -9,7 +9,7 @@ import uuid
 
 import tensorflow as tf
 
-from tf_distrib import _compat
+from tf_distrib import _compat, cluster
 
 # One check per `fit`: every worker counts its fits alike (as for preemption keys).
 _runs = itertools.count(1)
@@ -33,7 +33,8 @@ def check(directory: str, strategy, timeout: float = 300.0) -> None:
         timeout: Seconds to wait for the chief and every worker's answer (workers reach
             `fit` at different times). Defaults to 300.
     """
-    tasks, me = cluster_tasks(strategy)
+    spec = cluster.spec_of(strategy)
+    tasks, me = spec.training_tasks, spec.task
     service, prefix = _compat.coordination_service(), f"tf_distrib/backup_dir/{next(_runs)}"
     milliseconds = int(timeout * 1000)
     chief = strategy.extended.should_checkpoint
@@ -66,14 +67,6 @@ def check(directory: str, strategy, timeout: float = 300.0) -> None:
             "restores from what it sees, so they would resume from different states. Use a "
             "shared file system (NFS, ...) or an object store (gs://, s3://) that every "
             "worker reaches at the same path.")
-
-
-def cluster_tasks(strategy) -> tuple[list[str], str]:
-    """Every task of a multi-worker `strategy` ("chief:0", "worker:0", ...) and its own."""
-    resolver = strategy.cluster_resolver
-    spec = resolver.cluster_spec().as_dict()
-    tasks = [f"{kind}:{i}" for kind in ("chief", "worker") for i in range(len(spec.get(kind, [])))]
-    return tasks, f"{resolver.task_type}:{resolver.task_id}"
 
 
 def _sees(path: str) -> bool:

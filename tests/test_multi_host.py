@@ -183,30 +183,20 @@ def test_a_lost_host_leaves_the_job_to_the_other_which_resumes_from_the_backup(
 
 
 STRANGER_JOB = """
-import json, os, socket, sys
+import sys
 import numpy as np
 from tf_distrib import transport
-from tf_distrib.transport import wire
+from tests import _stranger
 
 role, directory = sys.argv[1], sys.argv[2]
 store = transport.FileStore(directory)
 if role == "stranger":
-    host, _, port = json.loads(store.get("tf_distrib/transport/0", 60))["address"].rpartition(":")
-    blobs = (os.urandom(100), wire.header(wire.Kind.HELLO, length=36) + os.urandom(36))
-    sockets = [socket.create_connection((host, int(port)), timeout=60) for _ in blobs]
-    for s, blob in zip(sockets, blobs):
-        s.sendall(blob)
-    store.set("test/stranger_sent", "yes")
-    for s in sockets:
-        with s:
-            try:
-                print("stranger got", s.recv(1000))
-            except ConnectionResetError:
-                print("stranger got reset")
+    replies = _stranger.send_garbage(store)
+    assert len(replies) == 2 and all(r in (b"", None) for r in replies), replies
     sys.exit(0)
 rank = int(role)
 if rank == 1:  # the stranger's connections queue up at worker 0 before this one's
-    store.get("test/stranger_sent", 60)
+    store.get(_stranger.SENT, 60)
 t = transport.connect(rank, ["worker:0", "worker:1"], sys.argv[3], store, secret=b"the job's",
                       timeout=60)
 [total] = t.all_reduce([np.full(10, rank + 1.0, np.float32)])

@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 
+from tests import _stranger
 from tf_distrib import transport
 from tf_distrib.testing import run_workers
 from tf_distrib.transport import wire
@@ -283,36 +284,20 @@ def test_a_stranger_sending_garbage_is_refused_and_the_mesh_still_forms(tmp_path
         rank = int(os.environ["TF_DISTRIB_WORKER_INDEX"])
         store = transport.FileStore(directory)
         if rank == 1:  # the stranger's connections queue up at worker 0 before this one's
-            store.get("test/stranger_sent", 60)
+            store.get(_stranger.SENT, 60)
         t = transport.connect(rank, ["worker:0", "worker:1"], "127.0.0.1", store, secret=b"s",
                               timeout=60)
         [total] = t.all_reduce([np.full(10, rank + 1.0, np.float32)])
         t.close()
         return float(total[0])
 
-    def stranger():
-        store = transport.FileStore(str(tmp_path))
-        info = store.get("tf_distrib/transport/0", 60)
-        import json
-
-        host, _, port = json.loads(info)["address"].rpartition(":")
-        blobs = (os.urandom(100), wire.header(wire.Kind.HELLO, length=36) + os.urandom(36))
-        sockets = [socket.create_connection((host, int(port))) for _ in blobs]
-        for s, blob in zip(sockets, blobs, strict=True):
-            s.sendall(blob)
-        store.set("test/stranger_sent", "yes")
-        for s in sockets:
-            with s:
-                s.settimeout(60)
-                try:
-                    assert s.recv(1000) == b""  # closed without a word
-                except ConnectionResetError:
-                    pass
-
-    thread = threading.Thread(target=stranger)
-    thread.start()
+    replies = []
+    stranger = threading.Thread(target=lambda: replies.extend(
+        _stranger.send_garbage(transport.FileStore(str(tmp_path)))))
+    stranger.start()
     workers = run_workers(connect, 2, args=(str(tmp_path),), startup_timeout=None, quiet=True)
-    thread.join()
+    stranger.join()
+    assert len(replies) == 2 and all(r in (b"", None) for r in replies)  # closed without a word
     assert [w.value for w in workers] == [3.0, 3.0]
     log = "".join(workers[0].output)
     assert log.count("refused a connection: a connection from 127.0.0.1") == 2

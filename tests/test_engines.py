@@ -334,22 +334,6 @@ def test_example_script_trains_under_slurm_and_the_chief_saves_the_model(tmp_pat
     assert model.count_params() == 16 * 64 + 64 + 64 * 64 + 64 + 64 * 4 + 4
 
 
-@pytest.mark.multiprocess
-def test_ray_example_runs_the_same_script(tmp_path):
-    pytest.importorskip("ray", reason="needs the ray extra (pip install 'tf_distrib[ray]'); "
-                                      "`make test` installs it")
-    done = subprocess.run(
-        [sys.executable, os.path.join(EXAMPLES, "ray_train.py"), "--max-failures", "0",
-         "--storage-path", str(tmp_path), "--name", "example", "--epochs", "2",
-         "--examples", "2048"],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert (tmp_path / "example" / "model.keras").exists()
-    # Epoch 1's backup made the directory (none follows the last step: fit deletes them).
-    assert (tmp_path / "example" / "tf_distrib_backup").is_dir()
-
-
 def test_engine_files_describe_the_example_job():
     import yaml
 

@@ -2,6 +2,8 @@
 
 import json
 import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -21,10 +23,11 @@ EPOCHS, SAVE_FREQ, STEPS_PER_EPOCH = 2, 5, 16  # 512 examples, global batch 32
 
 @pytest.fixture(scope="module")
 def local_ray():
+    """A local 2-CPU Ray cluster for the module; yields its address."""
     # Workers import the training job from tests/.
-    ray.init(num_cpus=2, include_dashboard=False,
-             runtime_env={"env_vars": {"PYTHONPATH": REPO_ROOT}})
-    yield
+    context = ray.init(num_cpus=2, include_dashboard=False,
+                       runtime_env={"env_vars": {"PYTHONPATH": REPO_ROOT}})
+    yield context.address_info["address"]
     ray.shutdown()
 
 
@@ -103,6 +106,20 @@ def test_elastic_worker_count_takes_what_the_cluster_has(local_ray, tmp_path, un
     assert [r["tf_config"]["task"]["index"] for r in results] == [0, 1]
     for got, want in zip(weights[0], uninterrupted[1][0], strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+def test_the_ray_example_runs_the_same_script(local_ray, tmp_path, uninterrupted):
+    # Its own driver, on this module's cluster (starting a second one costs ~20 s).
+    done = subprocess.run(
+        [sys.executable, os.path.join(REPO_ROOT, "examples", "ray_train.py"),
+         "--max-failures", "0", "--storage-path", str(tmp_path), "--name", "example",
+         "--epochs", "2", "--examples", "2048"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "RAY_ADDRESS": local_ray})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (tmp_path / "example" / "model.keras").exists()
+    # Epoch 1's backup made the directory (none follows the last step: fit deletes them).
+    assert (tmp_path / "example" / "tf_distrib_backup").is_dir()
 
 
 def test_make_trainer_rejects_bad_arguments():

@@ -22,14 +22,27 @@ def train_with_plain_mwms():
     model.fit(tf.data.Dataset.from_tensor_slices((x, x[:, :1])).batch(16), verbose=0)
 
 
+def train_and_count_sums_left_in_shared_memory(*args):
+    import gc
+
+    from tf_distrib.transport import Transport
+
+    summary = train(*args)
+    [transport] = [o for o in gc.get_objects() if isinstance(o, Transport)]
+    return {**summary, "in_place": transport.stats.in_place}
+
+
 def test_two_workers_match_mirrored_on_two_logical_cpus():
-    workers = run_workers(train, 2, args=(2, 64, 1, None, True), timeout=240)
+    workers = run_workers(train_and_count_sums_left_in_shared_memory, 2,
+                          args=(2, 64, 1, None, True), timeout=240)
     [mirrored] = run_workers(train, 1, args=(2, 64, 1, 2, True), timeout=240)
     a, b = (w.value for w in workers)
     ref = mirrored.value
     assert (a["workers"], a["replicas"]) == (2, 2)
     assert (ref["workers"], ref["replicas"]) == (1, 2)
     assert a["loss"] == b["loss"]
+    # The gradients' sums stayed in shared memory (`tf_distrib.transport.shared_memory`).
+    assert a["in_place"] == b["in_place"] > 0
     np.testing.assert_allclose(a["loss"], ref["loss"], rtol=1e-5)
     for wa, wb, wr in zip(a["weights"], b["weights"], ref["weights"], strict=True):
         np.testing.assert_array_equal(wa, wb)

@@ -86,6 +86,44 @@ def test_sums_are_exact_and_bitwise_identical(tmp_path, mode, world):
         np.testing.assert_allclose(got, sum(x[k].astype(np.float64) for x in small), rtol=1e-6)
 
 
+def hold_results(directory, collectives):
+    """Runs in each worker: worker 1 keeps every result, worker 0 none; then both drop them."""
+    rank = int(os.environ["TF_DISTRIB_WORKER_INDEX"])
+    t = transport.connect(rank, ["worker:0", "worker:1"], "127.0.0.1",
+                          transport.FileStore(directory), secret=b"s", mode="shm", timeout=30)
+    try:
+        held, copies = [], []
+        for k in range(collectives):
+            [result] = t.all_reduce([np.full(100_000, rank + k, np.float32)])
+            copies.append(result.copy())
+            if rank == 1:
+                held.append(result)
+        while_held = t.stats.in_place
+        # What worker 1 kept is what it was given, though later sums were made meanwhile.
+        intact = all(np.array_equal(h, c) for h, c in zip(held, copies, strict=False))
+        held.clear()
+        t.all_reduce([np.ones(100_000, np.float32)])
+        return {"in_place": [while_held, t.stats.in_place], "intact": intact,
+                "sums": [float(c[0]) for c in copies]}
+    finally:
+        t.close()
+
+
+def test_sums_stay_in_shared_memory_until_a_worker_holds_every_region(tmp_path):
+    from tf_distrib.transport.shared_memory import RESULT_REGIONS
+
+    collectives = RESULT_REGIONS + 2
+    workers = run_workers(hold_results, 2, args=(str(tmp_path), collectives),
+                          startup_timeout=None, quiet=True, timeout=120)
+    for w in workers:
+        assert w.value["sums"] == [2.0 * k + 1 for k in range(collectives)]
+        assert w.value["intact"]
+        # The first RESULT_REGIONS sums stay in shared memory; worker 1 still holds them
+        # when the next two come, so both workers copy those two out; once it lets go,
+        # shared memory again.
+        assert w.value["in_place"] == [RESULT_REGIONS, RESULT_REGIONS + 1]
+
+
 @pytest.mark.parametrize("hosts, mode", [([0, 0, 1, 1], "shm+tcp"), ([0, 0, 0, 1, 1, 1], "shm+tcp"),
                                          ([0, 0, 1], "tcp")], ids=["2x2", "2x3", "2+1"])
 def test_hosts_with_several_workers_sum_hierarchically_exactly_and_identically(

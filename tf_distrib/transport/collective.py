@@ -64,6 +64,8 @@ class Stats:
     collectives: int = 0
     bytes: int = 0
     seconds: float = 0.0
+    #: Collectives whose sums stayed in shared memory (each worker summed its part).
+    in_place: int = 0
 
 
 class _Job:
@@ -71,8 +73,9 @@ class _Job:
 
     __slots__ = ("seq", "layout", "out", "record", "done", "error")
 
-    def __init__(self, seq: int, layout: Layout, out: np.ndarray):
-        self.seq, self.layout, self.out = seq, layout, out
+    def __init__(self, seq: int, layout: Layout):
+        self.seq, self.layout = seq, layout
+        self.out: np.ndarray | None = None
         self.record = {"seq": seq, "bytes": layout.nbytes, "started": time.time(), "ended": None}
         self.done = threading.Event()
         self.error: TransportError | None = None
@@ -192,12 +195,13 @@ class Transport:
             seq = self._seq if seq is None else seq
             self._seq = seq + 1
             layout = Layout(arrays)
-            job = _Job(seq, layout, self._results.take(layout.nbytes, layout.dtype))
+            job = _Job(seq, layout)
             self._recorder.append(job.record)
             self._started[seq] = job
             if self._jobs is None:
                 self._run(job, layout, arrays)
             else:
+                job.out = self._results.take(layout.nbytes, layout.dtype)
                 layout.gather(arrays, 0, layout.size, job.out)
                 self._jobs.put(job)
         self.stats.seconds += time.perf_counter() - began
@@ -236,13 +240,17 @@ class Transport:
         try:
             if self.failure is not None:
                 raise self.failure
+            # Across hosts (`overlaps`) `start` has gathered the arrays into job.out.
             if self._across is not None:
                 self._hierarchical_all_reduce(job.seq, layout, arrays, job.out)
+            elif self._shm is not None and self._shm.fits_in_place(layout):
+                job.out, in_place = self._shm.all_reduce_in_place(job.seq, layout, arrays,
+                                                                  self._results.take)
+                self.stats.in_place += in_place
             elif self._shm is not None:
+                job.out = self._results.take(layout.nbytes, layout.dtype)
                 self._shm.all_reduce(job.seq, layout, arrays, job.out)
             else:
-                if arrays[0] is not job.out:
-                    layout.gather(arrays, 0, layout.size, job.out)
                 scratch = self._scratch.take(
                     (layout.size // self.world + 1) * layout.dtype.itemsize, layout.dtype)
                 ring_all_reduce(self.mesh, job.seq, job.out, scratch)

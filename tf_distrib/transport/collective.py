@@ -161,7 +161,9 @@ class Transport:
     def all_reduce(self, arrays: list[np.ndarray], seq: int | None = None) -> list[np.ndarray]:
         """The element-wise sums of `arrays` over all workers (same shapes, one dtype).
 
-        The results are views of one 64-byte aligned buffer, reused once they are gone.
+        The results are views of one 64-byte aligned buffer (on one host, often a
+        region of the shared segment that every worker's results view), reused once
+        they are gone. Do not write into them.
 
         Args:
             arrays: This worker's arrays.

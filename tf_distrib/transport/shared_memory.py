@@ -47,7 +47,7 @@ from tf_distrib.transport.buffers import ALIGN, Layout, sum_into
 from tf_distrib.transport.errors import ProtocolError
 from tf_distrib.transport.mesh import Mesh
 
-_MAGIC = b"tf_distrib shm 1"
+_MAGIC = b"tf_distrib shm 2"  # 2: result regions after the slots
 _HEADER_BYTES = 4096
 # In the header, one 64-byte line per rank (no false sharing): the number of chunks the
 # rank has written, the (bytes, dtype) it sums in each slot generation, the number of

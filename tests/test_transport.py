@@ -254,8 +254,9 @@ def lose_a_peer(directory, how, peer_timeout, mode="tcp", elements=3_000_000):
     return lost
 
 
-# Large buckets wait for frames; small ones on shared memory poll a counter.
-@pytest.mark.parametrize("mode, elements", [("tcp", 3_000_000), ("shm", 16)])
+# Over TCP the survivors wait for frames; on shared memory they poll counters (a small
+# bucket summed in full, or a large one reduce-scattered in place).
+@pytest.mark.parametrize("mode, elements", [("tcp", 3_000_000), ("shm", 16), ("shm", 100_000)])
 @pytest.mark.parametrize("how, limit", [("SIGKILL", 2.0), ("SIGSTOP", 3.0 + 2.5)])
 def test_a_lost_peer_fails_every_survivor_in_bounded_time_naming_it(tmp_path, how, limit, mode,
                                                                    elements):
@@ -287,7 +288,8 @@ def sum_different_sizes(directory, sizes):
         t.close()
 
 
-@pytest.mark.parametrize("sizes", [(4, 40), (4, 100_000)])  # both poll; one polls, one waits
+# Both sum in full; one sums in full while the other reduce-scatters in place.
+@pytest.mark.parametrize("sizes", [(4, 40), (4, 100_000)])
 def test_workers_that_sum_different_buckets_fail_instead_of_summing(tmp_path, sizes):
     messages = [w.value for w in run_workers(sum_different_sizes, 2,
                                              args=(str(tmp_path), sizes),

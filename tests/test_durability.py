@@ -39,8 +39,10 @@ def traced_saves(tmp_path_factory):
         pytest.skip("needs strace (apt-get install strace; `make system-deps`)")
     root = tmp_path_factory.mktemp("durable")
     trace = root / "trace"
+    # --seccomp-bpf: only the traced calls stop the process, not the rest of TensorFlow's
+    # start (38 s -> 8 s).
     subprocess.run(
-        ["strace", "-f", "-qq", "-y", "-o", str(trace), "-e",
+        ["strace", "-f", "--seccomp-bpf", "-qq", "-y", "-o", str(trace), "-e",
          "trace=openat,write,pwrite64,fsync,fdatasync,rename,renameat,renameat2,"
          "unlink,unlinkat,rmdir", sys.executable, "-c", _SAVE_TWO_BACKUPS,
          str(root / "buffered"), str(root / "direct")],

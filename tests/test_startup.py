@@ -106,9 +106,10 @@ def test_under_hosts_a_stopped_remote_worker_is_named_by_its_host_and_its_peer(
 
 def test_a_slow_but_alive_start_is_waited_for_within_the_startup_timeout(tmp_path,
                                                                          uninterrupted):
+    # Slower than the hang timeout, within the startup timeout.
     result = launch(train, 2, kwargs={"backup_dir": str(tmp_path), "epochs": EPOCHS,
-                                      "slow_start": 30},
-                    hang_timeout=HANG_TIMEOUT, startup_timeout=90, quiet=True, timeout=400)
+                                      "slow_start": 15},
+                    hang_timeout=10, startup_timeout=90, quiet=True, timeout=400)
     _assert_bitwise(result, uninterrupted)
     assert result.restarts == 0
 

@@ -96,6 +96,9 @@ def hold_results(directory, collectives):
         for k in range(collectives):
             [result] = t.all_reduce([np.full(100_000, rank + k, np.float32)])
             copies.append(result.copy())
+            if k == 0:  # in shared memory: every worker reads it
+                with pytest.raises(ValueError, match="read-only"):
+                    result[0] = 0.0
             if rank == 1:
                 held.append(result)
         while_held = t.stats.in_place

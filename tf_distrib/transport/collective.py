@@ -161,9 +161,9 @@ class Transport:
     def all_reduce(self, arrays: list[np.ndarray], seq: int | None = None) -> list[np.ndarray]:
         """The element-wise sums of `arrays` over all workers (same shapes, one dtype).
 
-        The results are views of one 64-byte aligned buffer (on one host, often a
-        region of the shared segment that every worker's results view), reused once
-        they are gone. Do not write into them.
+        The results are views of one 64-byte aligned buffer, reused once they are gone.
+        On one host they are often read-only views of shared memory that every
+        worker's results view (`tf_distrib.transport.shared_memory`).
 
         Args:
             arrays: This worker's arrays.

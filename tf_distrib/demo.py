@@ -76,7 +76,7 @@ def train(epochs: int = 3, global_batch_size: int = 64, seed: int = 1,
     history = model.fit(dataset, epochs=epochs, verbose=verbose, callbacks=callbacks)
     seconds = time.perf_counter() - start
     summary = {
-        "task": "local" if spec is None else f"{spec.task_type}:{spec.task_index}",
+        "task": "local" if spec is None else spec.task,
         "workers": 1 if spec is None else spec.num_workers,
         "replicas": strategy.num_replicas_in_sync,
         "loss": [float(v) for v in history.history["loss"]],

@@ -82,7 +82,7 @@ def check(environ=None, devices: bool = True,
                      "make_strategy() uses local devices")
         return lines, problems
     lines.append(f"cluster: {spec.num_workers} training task(s), this task "
-                 f"{spec.task_type}:{spec.task_index} "
+                 f"{spec.task} "
                  f"{f'at {spec.address}' if spec.address else 'outside the cluster'}"
                  f"{' (chief)' if spec.is_chief else ''}")
     try:

@@ -365,8 +365,7 @@ def make_strategy(cross_device_ops: tf.distribute.CrossDeviceOps | None = None, 
             reduce = gradients.GradientAllReduce(compression, bucket_bytes, strategy.transport)
         optimizer_hooks.mark(strategy, reduce)
         if hang_timeout != math.inf:
-            strategy.start_watchdog(spec.task, hang_timeout,
-                                    f"{keys}/hang")
+            strategy.start_watchdog(spec.task, hang_timeout, f"{keys}/hang")
         phases.enter(phases.BUILDING)
         return strategy
 
@@ -456,7 +455,7 @@ class _exit_if_peers_missing:
                    for a in self._spec.cluster.get(role, ())
                    if not cluster_lib.is_listening(a, timeout=2)]
         sys.stderr.write(
-            f"tf_distrib: task {self._spec.task_type}:{self._spec.task_index} waited "
+            f"tf_distrib: task {self._spec.task} waited "
             f"{self._timeout:g} s for the cluster to start; not listening: "
             f"{missing or 'none (all ports open, but some task did not join)'}. Start "
             "every task with the same cluster, check their TF_CONFIG task indices and the "

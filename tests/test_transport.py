@@ -446,3 +446,15 @@ def test_results_are_aligned_views_of_reused_buffers():
     del views, second
     pool.take(layout.nbytes, layout.dtype)
     assert len(pool) == 2  # reused
+
+
+def test_any_range_of_a_layout_gathers_its_elements_and_zero_padding():
+    arrays = [np.arange(1, 6, dtype=np.float32), np.arange(6, 18, dtype=np.float32)]
+    layout = Layout(arrays)
+    flat = np.zeros(layout.size, np.float32)
+    flat[0:5], flat[16:28] = arrays[0], arrays[1]
+    for start in range(layout.size):
+        for stop in range(start + 1, layout.size + 1):
+            target = np.full(stop - start, np.nan, np.float32)
+            layout.gather(arrays, start, stop, target)
+            np.testing.assert_array_equal(target, flat[start:stop])

@@ -71,23 +71,29 @@ class Layout:
         self.size = end
         self.nbytes = end * self.dtype.itemsize
 
-    def gather(self, arrays: list[np.ndarray], start: int, stop: int, target: np.ndarray) -> None:
-        """Copies elements [start, stop) of the flat layout of `arrays` into `target`.
+    def segments(self, arrays: list[np.ndarray], start: int, stop: int):
+        """Elements [start, stop) of the flat layout of `arrays`, as consecutive pieces.
 
-        Padding between arrays is written as zeros.
+        Yields:
+            (lo, hi, piece): flat positions [lo, hi) and the elements there, a flat view
+            of one of `arrays`, or None for the padding between arrays (zeros).
         """
         position = start
         for a, first in zip(arrays, self.starts, strict=True):
-            last = first + a.size
-            if last <= start or first >= stop:
+            lo, hi = max(position, first), min(stop, first + a.size)
+            if lo >= hi:
                 continue
-            if first > position:
-                target[position - start:first - start] = 0
-            lo, hi = max(start, first), min(stop, last)
-            target[lo - start:hi - start] = a.reshape(-1)[lo - first:hi - first]
+            if position < lo:
+                yield position, lo, None
+            yield lo, hi, a.reshape(-1)[lo - first:hi - first]
             position = hi
         if position < stop:
-            target[position - start:stop - start] = 0
+            yield position, stop, None
+
+    def gather(self, arrays: list[np.ndarray], start: int, stop: int, target: np.ndarray) -> None:
+        """Copies elements [start, stop) of the flat layout of `arrays` into `target`."""
+        for lo, hi, piece in self.segments(arrays, start, stop):
+            target[lo - start:hi - start] = 0 if piece is None else piece
 
     def views(self, flat: np.ndarray) -> list[np.ndarray]:
         """The arrays, shaped as given, as views of `flat` (the reduced layout)."""

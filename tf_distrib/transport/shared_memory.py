@@ -229,17 +229,13 @@ class SharedMemoryReducer:
 
         This worker's own addend comes from `arrays` (it never wrote it to its slot).
         """
-        rank, position = self.mesh.rank, low
-        for a, first in zip(arrays, layout.starts, strict=True):
-            lo, hi = max(low, first), min(high, first + a.size)
-            if lo >= hi:
+        for lo, hi, piece in layout.segments(arrays, low, high):
+            if piece is None:
+                result[lo:hi] = 0
                 continue
-            result[position:lo] = 0  # padding between arrays
             parts = [s[lo:hi] for s in slots]
-            parts[rank] = a.reshape(-1)[lo - first:hi - first]
+            parts[self.mesh.rank] = piece
             sum_into(result[lo:hi], parts)
-            position = hi
-        result[position:high] = 0
 
     def _held(self) -> int:
         """The result regions this worker still has views of, as a bit mask."""

@@ -10,6 +10,7 @@ dropped every view of them: a fresh 7 MB buffer costs ~0.5 ms of page faults per
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -71,7 +72,8 @@ class Layout:
         self.size = end
         self.nbytes = end * self.dtype.itemsize
 
-    def segments(self, arrays: list[np.ndarray], start: int, stop: int):
+    def segments(self, arrays: list[np.ndarray], start: int,
+                 stop: int) -> Iterator[tuple[int, int, np.ndarray | None]]:
         """Elements [start, stop) of the flat layout of `arrays`, as consecutive pieces.
 
         Yields:

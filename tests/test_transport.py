@@ -127,6 +127,34 @@ def test_sums_stay_in_shared_memory_until_a_worker_holds_every_region(tmp_path):
         assert w.value["in_place"] == [RESULT_REGIONS, RESULT_REGIONS + 1]
 
 
+def default_buckets_fit_in_place(directory):
+    from tf_distrib.cross_device.gradients import GradientAllReduce
+
+    rank = int(os.environ["TF_DISTRIB_WORKER_INDEX"])
+    t = transport.connect(rank, ["worker:0", "worker:1"], "127.0.0.1",
+                          transport.FileStore(directory), secret=b"s", mode="shm", timeout=30)
+    try:
+        limit = t.in_place_bytes
+        for nbytes in (limit, limit + 4):  # the largest in place, then one float more
+            t.all_reduce([np.ones(nbytes // 4, np.float32)])
+        return {"limit": limit, "in_place": t.stats.in_place,
+                "default": GradientAllReduce(transport=t).bucket_bytes,
+                "given": GradientAllReduce(bucket_bytes=64 << 20, transport=t).bucket_bytes}
+    finally:
+        t.close()
+
+
+def test_default_gradient_buckets_are_no_larger_than_the_transport_sums_in_place(tmp_path):
+    from tf_distrib.cross_device.bucketing import DEFAULT_BUCKET_BYTES
+
+    workers = run_workers(default_buckets_fit_in_place, 2, args=(str(tmp_path),),
+                          startup_timeout=None, quiet=True, timeout=120)
+    for w in workers:
+        assert w.value["in_place"] == 1
+        assert w.value["default"] == min(DEFAULT_BUCKET_BYTES, w.value["limit"])
+        assert w.value["given"] == 64 << 20  # a size the user gives is the only limit
+
+
 @pytest.mark.parametrize("hosts, mode", [([0, 0, 1, 1], "shm+tcp"), ([0, 0, 0, 1, 1, 1], "shm+tcp"),
                                          ([0, 0, 1], "tcp")], ids=["2x2", "2x3", "2+1"])
 def test_hosts_with_several_workers_sum_hierarchically_exactly_and_identically(

@@ -275,9 +275,11 @@ def make_strategy(cross_device_ops: tf.distribute.CrossDeviceOps | None = None, 
             reducing them (`cross_device.BucketedAllReduce` on MirroredStrategy; on MWMS,
             buckets of consecutive gradients, last layer first, one collective each).
             Defaults to None: no buckets on MirroredStrategy; on MWMS 25 MiB buckets
-            with tf_distrib's transport or `compression` (across hosts the first closes
-            at 1 MiB, as PyTorch DDP's: it travels while backward computes the rest),
-            else TF's all-reduce, which packs all gradients into one tensor.
+            with tf_distrib's transport or `compression` (on one host at most what the
+            transport sums in place in shared memory, 16 MiB where /dev/shm has room;
+            across hosts the first closes at 1 MiB, as PyTorch DDP's: it travels while
+            backward computes the rest), else TF's all-reduce, which packs all
+            gradients into one tensor.
         transport: What carries MWMS's gradient all-reduce (`tf_distrib.transport`):
             "auto" (tf_distrib's transport on CPU workers with one replica each:
             shared memory when every worker shares this host; shared memory within

@@ -16,6 +16,8 @@ memory or a TCP ring: `tf_distrib.transport`), else TensorFlow's.
 
 from __future__ import annotations
 
+import math
+
 import tensorflow as tf
 
 from tf_distrib._checks import check_int
@@ -38,9 +40,11 @@ class GradientAllReduce:
         compression: "bf16", "fp16", "none" or a `Compressor`. Defaults to None (none).
         bucket_bytes: Largest bucket of consecutive gradients, in bytes (a larger
             gradient travels alone). Defaults to None: 25 MiB, PyTorch DDP's default,
-            and across hosts (a transport that `overlaps`) a first bucket that closes
-            once it holds 1 MiB, as DDP's does: its sum travels while backward computes
-            the rest. A value given here is the only limit.
+            or on one host the largest bucket the transport sums in place in shared
+            memory (`Transport.in_place_bytes`, 16 MiB where /dev/shm has room) if that
+            is smaller; across hosts (a transport that `overlaps`) a first bucket that
+            closes once it holds 1 MiB, as DDP's does: its sum travels while backward
+            computes the rest. A value given here is the only limit.
         transport: A `tf_distrib.transport.Transport` to carry dense buckets. Defaults
             to None: TensorFlow's collective (then each bucket is packed into one tensor).
     """
@@ -48,9 +52,11 @@ class GradientAllReduce:
     def __init__(self, compression: str | Compressor | None = None,
                  bucket_bytes: int | None = None, transport=None):
         self.compressor = get_compressor(compression)
-        self.bucket_bytes = (bucketing.DEFAULT_BUCKET_BYTES if bucket_bytes is None
-                             else check_int("bucket_bytes", bucket_bytes))
         self._first_bucket_bytes = bucketing.FIRST_BUCKET_BYTES if bucket_bytes is None else None
+        if bucket_bytes is None:
+            in_place = transport.in_place_bytes if transport is not None else None
+            bucket_bytes = min(bucketing.DEFAULT_BUCKET_BYTES, in_place or math.inf)
+        self.bucket_bytes = check_int("bucket_bytes", bucket_bytes)
         self.transport = transport
 
     def __call__(self, grads: list) -> list:

@@ -178,10 +178,15 @@ class SharedMemoryReducer:
         self._regions = [segment.region(i) for i in range(RESULT_REGIONS)]
         self._in_place = 0  # in-place buckets so far: bucket k uses region k % RESULT_REGIONS
 
+    @property
+    def in_place_bytes(self) -> int | None:
+        """The largest layout `all_reduce_in_place` takes (one slot), or None."""
+        return self.segment.chunk_bytes if self._polled else None
+
     def fits_in_place(self, layout: Layout) -> bool:
         """Whether `all_reduce_in_place` can leave `layout`'s sum in shared memory."""
-        return (self._polled and MIN_IN_PLACE_BYTES <= layout.nbytes
-                and layout.nbytes <= self.segment.chunk_bytes)
+        return (self.in_place_bytes is not None
+                and MIN_IN_PLACE_BYTES <= layout.nbytes <= self.in_place_bytes)
 
     def all_reduce_in_place(self, seq: int, layout: Layout, arrays: list[np.ndarray],
                             private) -> tuple[np.ndarray, bool]:

@@ -270,6 +270,10 @@ def test_buckets_are_consecutive_last_layer_first():
     # 400-byte buckets: one dtype each; a 1200-byte tensor travels alone.
     assert plan_buckets(tensors, 400) == [[5], [4], [2, 3], [1], [0]]
     assert plan_buckets(tensors, 2000) == [[4, 5], [2, 3], [0, 1]]
+    # 68 bytes each: 136 packed back to back, 256 with each on its own 64-byte line.
+    odd = [tf.zeros([17]), tf.zeros([17])]
+    assert plan_buckets(odd, 136) == [[0, 1]]
+    assert plan_buckets(odd, 136, align=64) == [[1], [0]]
     # On one host (MirroredStrategy) large tensors travel alone, and the small ones
     # around them share a bucket: weights 1200 bytes, biases 40 and 20.
     layers = [tf.zeros([300]), tf.zeros([10]), tf.zeros([300]), tf.zeros([5])]

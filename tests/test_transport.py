@@ -128,7 +128,11 @@ def test_sums_stay_in_shared_memory_until_a_worker_holds_every_region(tmp_path):
 
 
 def default_buckets_fit_in_place(directory):
+    import tensorflow as tf
+
+    from tf_distrib.cross_device.bucketing import plan_buckets
     from tf_distrib.cross_device.gradients import GradientAllReduce
+    from tf_distrib.transport.buffers import ALIGN
 
     rank = int(os.environ["TF_DISTRIB_WORKER_INDEX"])
     t = transport.connect(rank, ["worker:0", "worker:1"], "127.0.0.1",
@@ -137,8 +141,16 @@ def default_buckets_fit_in_place(directory):
         limit = t.in_place_bytes
         for nbytes in (limit, limit + 4):  # the largest in place, then one float more
             t.all_reduce([np.ones(nbytes // 4, np.float32)])
-        return {"limit": limit, "in_place": t.stats.in_place,
-                "default": GradientAllReduce(transport=t).bucket_bytes,
+        alone = t.stats.in_place
+        bucket_bytes = GradientAllReduce(transport=t).bucket_bytes
+        # limit bytes together, but limit + 64 once the first is padded to a 64-byte line.
+        gradients = [np.ones(limit // 8 - 1, np.float32), np.ones(limit // 8 + 1, np.float32)]
+        plan = plan_buckets([tf.TensorSpec(g.shape, tf.float32) for g in gradients],
+                            bucket_bytes, align=ALIGN)
+        for members in plan:
+            t.all_reduce([gradients[k] for k in members])
+        return {"limit": limit, "alone": alone, "default": bucket_bytes, "buckets": len(plan),
+                "in_place": t.stats.in_place - alone,
                 "given": GradientAllReduce(bucket_bytes=64 << 20, transport=t).bucket_bytes}
     finally:
         t.close()
@@ -150,8 +162,9 @@ def test_default_gradient_buckets_are_no_larger_than_the_transport_sums_in_place
     workers = run_workers(default_buckets_fit_in_place, 2, args=(str(tmp_path),),
                           startup_timeout=None, quiet=True, timeout=120)
     for w in workers:
-        assert w.value["in_place"] == 1
+        assert w.value["alone"] == 1
         assert w.value["default"] == min(DEFAULT_BUCKET_BYTES, w.value["limit"])
+        assert w.value["buckets"] == w.value["in_place"] == 2
         assert w.value["given"] == 64 << 20  # a size the user gives is the only limit
 
 

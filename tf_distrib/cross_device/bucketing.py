@@ -25,7 +25,7 @@ ALONE_FROM_BYTES = 2**17
 
 
 def plan_buckets(tensors, bucket_bytes: int, alone_from_bytes: int | None = None,
-                 first_bucket_bytes: int | None = None) -> list[list[int]]:
+                 first_bucket_bytes: int | None = None, align: int = 1) -> list[list[int]]:
     """Groups tensor indices into buckets, in the order backward computes the tensors.
 
     Walking from the last tensor to the first (backward computes the last layer's
@@ -47,11 +47,14 @@ def plan_buckets(tensors, bucket_bytes: int, alone_from_bytes: int | None = None
             None: every tensor joins the open bucket.
         first_bucket_bytes: The first bucket closes as soon as it holds this many bytes
             or more. Defaults to None: like the others.
+        align: Each tensor counts as its bytes rounded up to a multiple of this, the
+            padding of a layout that starts every tensor on an aligned boundary (the
+            transport's `Layout`). Defaults to 1: packed back to back.
     """
     check_int("bucket_bytes", bucket_bytes)
     buckets, members, used = [], [], 0
     for i in reversed(range(len(tensors))):
-        nbytes = _nbytes(tensors[i])
+        nbytes = -(-_nbytes(tensors[i]) // align) * align
         if alone_from_bytes is not None and nbytes >= alone_from_bytes:
             buckets.append([i])
             continue

@@ -28,7 +28,7 @@ from tf_distrib.cross_device.compression import (
     encode_for_sum,
     get_compressor,
 )
-from tf_distrib.transport import graph_op
+from tf_distrib.transport import buffers, graph_op
 
 SUM = tf.distribute.ReduceOp.SUM
 
@@ -80,7 +80,8 @@ class GradientAllReduce:
         overlaps = self.transport is not None and self.transport.overlaps
         plan = bucketing.plan_buckets(
             values, self.bucket_bytes,
-            first_bucket_bytes=self._first_bucket_bytes if overlaps else None)
+            first_bucket_bytes=self._first_bucket_bytes if overlaps else None,
+            align=buffers.ALIGN if self.transport is not None else 1)
         if self.transport is not None:
             encoded = [[encode_for_sum(self.compressor, values[k], n) for k in members]
                        for members in plan]

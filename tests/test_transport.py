@@ -26,6 +26,12 @@ DTYPES = {"float32": np.float32, "float16": np.float16}
 SMALL = [1, 3]
 
 
+def connect_pair(rank, directory, mode):
+    """Worker `rank`'s transport of a job of two workers on this host."""
+    return transport.connect(rank, ["worker:0", "worker:1"], "127.0.0.1",
+                             transport.FileStore(directory), secret=b"s", mode=mode, timeout=30)
+
+
 def _inputs(rank, sizes, dtype_name):
     import ml_dtypes
 
@@ -89,8 +95,7 @@ def test_sums_are_exact_and_bitwise_identical(tmp_path, mode, world):
 def hold_results(directory, collectives):
     """Runs in each worker: worker 1 keeps every result, worker 0 none; then both drop them."""
     rank = int(os.environ["TF_DISTRIB_WORKER_INDEX"])
-    t = transport.connect(rank, ["worker:0", "worker:1"], "127.0.0.1",
-                          transport.FileStore(directory), secret=b"s", mode="shm", timeout=30)
+    t = connect_pair(rank, directory, "shm")
     try:
         held, copies = [], []
         for k in range(collectives):
@@ -135,8 +140,7 @@ def default_buckets_fit_in_place(directory):
     from tf_distrib.transport.buffers import ALIGN
 
     rank = int(os.environ["TF_DISTRIB_WORKER_INDEX"])
-    t = transport.connect(rank, ["worker:0", "worker:1"], "127.0.0.1",
-                          transport.FileStore(directory), secret=b"s", mode="shm", timeout=30)
+    t = connect_pair(rank, directory, "shm")
     try:
         limit = t.in_place_bytes
         for nbytes in (limit, limit + 4):  # the largest in place, then one float more
@@ -233,8 +237,7 @@ def test_strategy_sum_and_mean_of_scalars_go_through_the_transport():
 
 def late_peer(directory):
     rank = int(os.environ["TF_DISTRIB_WORKER_INDEX"])
-    t = transport.connect(rank, ["worker:0", "worker:1"], "127.0.0.1",
-                          transport.FileStore(directory), secret=b"s", mode="tcp", timeout=30)
+    t = connect_pair(rank, directory, "tcp")
     if rank == 1:
         time.sleep(5)  # busy elsewhere: worker 0's 40 MB fill every socket buffer meanwhile
     began = time.monotonic()
@@ -329,8 +332,7 @@ def test_a_lost_peer_fails_every_survivor_in_bounded_time_naming_it(tmp_path, ho
 def sum_different_sizes(directory, sizes):
     """Each worker sums an array of its own size: the workers disagree."""
     rank = int(os.environ["TF_DISTRIB_WORKER_INDEX"])
-    t = transport.connect(rank, ["worker:0", "worker:1"], "127.0.0.1",
-                          transport.FileStore(directory), secret=b"s", mode="shm", timeout=30)
+    t = connect_pair(rank, directory, "shm")
     t.all_reduce([np.ones(3, np.float32)])  # agreed: the counters move past a first chunk
     try:
         t.all_reduce([np.ones(sizes[rank], np.float32)])

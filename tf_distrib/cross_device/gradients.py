@@ -16,8 +16,6 @@ memory or a TCP ring: `tf_distrib.transport`), else TensorFlow's.
 
 from __future__ import annotations
 
-import math
-
 import tensorflow as tf
 
 from tf_distrib._checks import check_int
@@ -54,8 +52,9 @@ class GradientAllReduce:
         self.compressor = get_compressor(compression)
         self._first_bucket_bytes = bucketing.FIRST_BUCKET_BYTES if bucket_bytes is None else None
         if bucket_bytes is None:
-            in_place = transport.in_place_bytes if transport is not None else None
-            bucket_bytes = min(bucketing.DEFAULT_BUCKET_BYTES, in_place or math.inf)
+            bucket_bytes = bucketing.DEFAULT_BUCKET_BYTES
+            if transport is not None and transport.in_place_bytes:
+                bucket_bytes = min(bucket_bytes, transport.in_place_bytes)
         self.bucket_bytes = check_int("bucket_bytes", bucket_bytes)
         self.transport = transport
 

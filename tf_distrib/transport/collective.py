@@ -117,9 +117,6 @@ class Transport:
     Attributes:
         mode: "shm", "tcp" or "shm+tcp".
         overlaps: Whether `start` returns before the collective is done (not "shm").
-        in_place_bytes: The largest layout whose sum stays in shared memory ("shm"
-            with polled counters), or None. A larger one is summed in full by every
-            worker and copied out: a 25 MiB bucket takes twice as long as two of 12.5 MiB.
         stats: A `Stats`; its seconds are those the caller spent waiting in collectives.
         failure: The error that stopped the transport, or None.
     """
@@ -138,8 +135,6 @@ class Transport:
             self._shm = SharedMemoryReducer(mesh, segment)
         self.mode = "tcp" if segment is None else "shm+tcp" if self._across else "shm"
         self.overlaps = self.mode != "shm"
-        self.in_place_bytes = (self._shm.in_place_bytes
-                               if self._shm is not None and self._across is None else None)
         self._results, self._scratch = BufferPool(), BufferPool()
         self._seq = 0
         self._lock = threading.Lock()
@@ -162,6 +157,13 @@ class Transport:
     @property
     def world(self) -> int:
         return len(self.mesh.peers)
+
+    @property
+    def in_place_bytes(self) -> int | None:
+        """The largest layout whose sum stays in shared memory ("shm" with polled
+        counters), or None. A larger one is summed in full by every worker and copied
+        out: a 25 MiB bucket takes twice as long as two of 12.5 MiB."""
+        return self._shm.in_place_bytes if self._shm is not None and not self._across else None
 
     def all_reduce(self, arrays: list[np.ndarray], seq: int | None = None) -> list[np.ndarray]:
         """The element-wise sums of `arrays` over all workers (same shapes, one dtype).

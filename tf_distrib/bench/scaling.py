@@ -15,7 +15,9 @@ steps. PyTorch DDP (gloo) on the same layout and architecture, when torch is ins
 
 Each row also prints what a second worker adds to a step: the CPU seconds per step of a
 worker (`getrusage`, all its threads, over the measured epoch) minus those of the one
-worker it is compared to.
+worker it is compared to. Below the rows, the floor of that overhead on this machine's
+memory (`all_reduce_floor`): the copy and the sum that each of 2 workers cannot avoid in a
+shared-memory all-reduce of the model's gradients, timed in one process on one core.
 
 Every setting runs once per round, in 3 rounds, and the scaling is the median over
 rounds of a setting's rate over the one-worker rate of its own round: the development VM
@@ -160,6 +162,40 @@ def train_worker(strategy_args: dict | None, accumulation: int | None = None,
             "cpu_per_step": cpu.per_step}
 
 
+def all_reduce_floor(nbytes: int, repeats: int = 50) -> float:
+    """Seconds of memory work per all-reduce of `nbytes` for each of 2 workers.
+
+    In the transport's in-place all-reduce a worker copies the half its peer sums into
+    shared memory and sums its own half with the peer's copy; nothing less can sum
+    two workers' gradients that TensorFlow computed in private memory. Timed here in
+    one process pinned to one core, with no peer to share the memory with: a lower
+    bound on what the second worker adds to each step.
+
+    Args:
+        nbytes: The gradients' bytes (float32).
+        repeats: Timed repetitions; the median is returned. Defaults to 50.
+    """
+    import time
+
+    import numpy as np
+
+    half = nbytes // 8
+    gradients, peer = np.ones((2, 2 * half), np.float32)
+    shared, total = np.empty((2, half), np.float32)
+    affinity = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {0})
+    try:
+        times = []
+        for _ in range(repeats + 5):
+            began = time.perf_counter()
+            shared[:] = gradients[half:]
+            np.add(gradients[:half], peer[:half], out=total)
+            times.append(time.perf_counter() - began)
+    finally:
+        os.sched_setaffinity(0, affinity)
+    return statistics.median(times[5:])
+
+
 def run(options) -> dict:
     from tf_distrib.bench import pytorch_ddp
     from tf_distrib.launch import launch
@@ -190,6 +226,8 @@ def run(options) -> dict:
                                   pytorch_ddp.measure(w, model=m, accumulation=k,
                                                       batch=MODELS[m].per_worker_batch))
         report[model] = _rounds(runs, 1 if options.quick else ROUNDS)
+        report[model]["all_reduce_floor_ms"] = all_reduce_floor(
+            4 * build(model).count_params()) * 1e3
         _print(MODELS[model], runs, report[model])
     if not pytorch_ddp.available():
         print("  (PyTorch DDP rows: torch is not installed)")
@@ -226,3 +264,5 @@ def _print(model: Model, runs: dict, report: dict) -> None:
         print(f"  {name:<48}{report['examples_per_sec'][name]:>12.0f}"
               f"{report['scaling'][name]:>9.2f}x{report['cpu_ms_per_step'][name]:>13.2f}"
               f"{report['overhead_ms_per_step'][name]:>10.2f}")
+    print(f"  overhead floor (copy and sum of the gradients' halves, one process): "
+          f"{report['all_reduce_floor_ms']:.2f} ms per all-reduce")

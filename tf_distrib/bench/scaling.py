@@ -183,7 +183,7 @@ def all_reduce_floor(nbytes: int, repeats: int = 50) -> float:
     gradients, peer = np.ones((2, 2 * half), np.float32)
     shared, total = np.empty((2, half), np.float32)
     affinity = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {0})
+    os.sched_setaffinity(0, {min(affinity)})
     try:
         times = []
         for _ in range(repeats + 5):

@@ -1,9 +1,11 @@
-"""What pip installs: ranges, not pins, and no second TensorFlow next to the user's."""
+"""What pip installs: ranges, not pins, and no second TensorFlow next to the user's; what
+`make system-deps` does where it cannot install."""
 
 import importlib.metadata
 import json
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 
@@ -47,3 +49,13 @@ def test_constraints_pin_what_ci_runs():
                 if "==" in line and not line.startswith("#"))
     assert "tensorflow" in pins and "tensorflow-cpu" not in pins
     assert pins["keras"].startswith("3.")
+
+
+def test_system_deps_without_the_tools_or_a_way_to_install_them_says_so_and_succeeds():
+    # No PATH: no Slurm, no strace, no `id` and no apt-get. CI's `make test` runs after
+    # `make system-deps`, so this must print why the tests will skip and exit 0.
+    done = subprocess.run(["make", "--no-print-directory", "-C", str(ROOT), "system-deps"],
+                          env={"PATH": "/nonexistent"}, capture_output=True, text=True,
+                          timeout=60, executable=shutil.which("make"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "the Slurm and strace tests will skip" in done.stdout

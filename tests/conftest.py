@@ -15,10 +15,10 @@ import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-# pytest's own tmp_path stays where it was (pytest keeps the last runs' for a look).
-tempfile.tempdir = tempfile.gettempdir()
+# pytest's own tmp_path stays where it was: pytest keeps the last runs' for a look.
+os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
 SESSION_TMPDIR = tempfile.mkdtemp(prefix="tf_distrib-tests-")
-os.environ["TMPDIR"] = SESSION_TMPDIR
+os.environ["TMPDIR"] = tempfile.tempdir = SESSION_TMPDIR  # this process's launches too
 _STARTED = time.time()
 _left: list[str] = []
 

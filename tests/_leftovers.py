@@ -8,14 +8,14 @@ its generated modules only at a clean exit; a launcher keeps its log directory t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import time
 
 from tf_distrib import simulated_hosts
-
-SEGMENT_PREFIX = "tf_distrib-"  # tf_distrib.transport.shared_memory's segments
+from tf_distrib.transport.shared_memory import SEGMENT_PREFIX
 
 
 def processes(tmpdir: str) -> list[tuple[int, str]]:
@@ -71,13 +71,12 @@ def collect(tmpdir: str, since: float, grace: float = 10.0) -> list[str]:
     left = []
     for pid, command in processes(tmpdir):
         left.append(f"process {pid}: {command}")
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     for path in segments(since):
         left.append(f"shared-memory segment {path}")
-        os.unlink(path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
     # Another program's simulated hosts are its own business; this session's open ones
     # close when it exits (atexit), those of its dead processes are removed here.
     stale = simulated_hosts.remove_stale()

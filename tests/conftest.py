@@ -25,6 +25,7 @@ _left: list[str] = []
 import tensorflow as tf  # noqa: E402
 
 import tf_distrib  # noqa: E402
+from tests import _leftovers  # noqa: E402
 
 LOGICAL_CPUS = 4
 tf_distrib.use_logical_cpus(LOGICAL_CPUS)
@@ -32,8 +33,6 @@ tf.get_logger().setLevel("ERROR")
 
 
 def pytest_sessionfinish(session):
-    from tests import _leftovers
-
     _left.extend(_leftovers.collect(SESSION_TMPDIR, _STARTED))
     if _left and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -7,6 +7,7 @@ import subprocess
 import time
 
 from tests import _leftovers
+from tf_distrib.transport.shared_memory import SEGMENT_PREFIX
 
 
 def test_what_a_session_leaves_is_named_and_removed(tmp_path):
@@ -19,7 +20,7 @@ def test_what_a_session_leaves_is_named_and_removed(tmp_path):
     deadline = time.monotonic() + 10
     while len(_leftovers.processes(str(session))) < 2 and time.monotonic() < deadline:
         time.sleep(0.02)  # until both have exec'd with the session's TMPDIR
-    segment = f"/dev/shm/{_leftovers.SEGMENT_PREFIX}leftovers-test-{os.getpid()}"
+    segment = f"/dev/shm/{SEGMENT_PREFIX}leftovers-test-{os.getpid()}"
     open(segment, "w").close()
 
     left = _leftovers.collect(str(session), since=time.time() - 60, grace=1)
@@ -30,7 +31,7 @@ def test_what_a_session_leaves_is_named_and_removed(tmp_path):
 
 
 def test_a_segment_older_than_the_session_is_not_its_own(tmp_path):
-    segment = f"/dev/shm/{_leftovers.SEGMENT_PREFIX}leftovers-test-old-{os.getpid()}"
+    segment = f"/dev/shm/{SEGMENT_PREFIX}leftovers-test-old-{os.getpid()}"
     open(segment, "w").close()
     try:
         assert segment not in _leftovers.segments(since=time.time() + 60)

@@ -48,6 +48,7 @@ from tf_distrib.transport.errors import ProtocolError
 from tf_distrib.transport.mesh import Mesh
 
 _MAGIC = b"tf_distrib shm 2"  # 2: result regions after the slots
+SEGMENT_PREFIX = "tf_distrib-"  # the segments' file names in /dev/shm
 _HEADER_BYTES = 4096
 # In the header, one 64-byte line per rank (no false sharing): the number of chunks the
 # rank has written, the (bytes, dtype) it sums in each slot generation, the number of
@@ -102,7 +103,7 @@ class SharedSegment:
             OSError: e.g. /dev/shm is missing or too small (ENOSPC).
         """
         token = secrets.token_hex(16)
-        path = os.path.join(directory, f"tf_distrib-{secrets.token_hex(8)}")
+        path = os.path.join(directory, f"{SEGMENT_PREFIX}{secrets.token_hex(8)}")
         size = _HEADER_BYTES + _slots(world) * chunk_bytes
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:

@@ -1,5 +1,6 @@
 """The README's quick start runs as written, and the README stays a front page."""
 
+import os
 import pathlib
 import re
 import subprocess
@@ -22,5 +23,6 @@ def test_quick_start_runs(tmp_path):
     code = code.replace("/tmp/tf_distrib_backup", str(tmp_path / "backup"))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300, env={"TF_CPP_MIN_LOG_LEVEL": "2",
-                                            "PATH": "/usr/bin:/bin"})
+                                            "PATH": "/usr/bin:/bin",
+                                            "TMPDIR": os.environ["TMPDIR"]})
     assert done.returncode == 0, done.stderr[-3000:]

@@ -55,7 +55,8 @@ def launched(tmp_path_factory):
 def _submit(slurm, shared, *sbatch_options):
     env = {"SHARED": str(shared), "PATH": os.path.dirname(sys.executable) + os.pathsep
            + os.environ["PATH"], "TF_DISTRIB_SLURM_PORT_BASE": str(free_ports(1)[0]),
-           "TF_DISTRIB_HANG_TIMEOUT": str(HANG_TIMEOUT), "TF_CPP_MIN_LOG_LEVEL": "2"}
+           "TF_DISTRIB_HANG_TIMEOUT": str(HANG_TIMEOUT), "TF_CPP_MIN_LOG_LEVEL": "2",
+           "TMPDIR": os.environ["TMPDIR"]}  # the test session's (tests/conftest.py)
     # The documented edits for one 2-CPU node: sbatch's own options override the script's.
     return slurm.sbatch(["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1",
                          "--open-mode=append", f"--output={shared}/job-%j.out",

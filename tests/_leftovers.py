@@ -55,7 +55,8 @@ def collect(tmpdir: str, since: float, grace: float = 10.0) -> list[str]:
     """Removes what the session left behind and says what it was.
 
     Waits up to `grace` seconds for the session's processes to exit, then kills those
-    left; removes its segments, simulated hosts and `tmpdir`.
+    left; removes its segments, the simulated hosts of its killed processes and `tmpdir`.
+    Simulated hosts this process still has open are named; their `atexit` removes them.
 
     Args:
         tmpdir: The TMPDIR every process of the session inherited.

@@ -8,7 +8,7 @@ import argparse
 import os
 
 
-def train(epochs=2, backup_dir=None, communication_timeout=None, seed=1):
+def train(epochs=2, backup_dir=None, communication_timeout=None, bucket_bytes=None, seed=1):
     import keras
     import tensorflow as tf
 
@@ -17,7 +17,8 @@ def train(epochs=2, backup_dir=None, communication_timeout=None, seed=1):
 
     keras.utils.set_random_seed(seed)
     tf.config.experimental.enable_op_determinism()
-    strategy = td.make_strategy(communication_timeout=communication_timeout)
+    strategy = td.make_strategy(communication_timeout=communication_timeout,
+                                bucket_bytes=bucket_bytes)
     x, y = make_data(2048)
     with strategy.scope():
         model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
@@ -43,8 +44,10 @@ def main():
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--backup-dir")
     parser.add_argument("--communication-timeout", type=float)
+    parser.add_argument("--bucket-bytes", type=int)
     args = parser.parse_args()
-    weights, mode = train(args.epochs, args.backup_dir, args.communication_timeout)
+    weights, mode = train(args.epochs, args.backup_dir, args.communication_timeout,
+                          args.bucket_bytes)
     index = os.environ.get("TF_DISTRIB_WORKER_INDEX", "single")
     np.savez(os.path.join(args.out, f"weights-{index}.npz"), *weights)
     print(f"trained with transport {mode}", flush=True)

@@ -134,6 +134,12 @@ def skip_partial_batch_checks(dataset) -> None:
     dataset._enable_get_next_as_optional = False
 
 
+def add_control_input(op, before) -> None:
+    """Makes graph op `op` run after op `before` (a control edge), while tracing."""
+    _require(op, "_add_control_input", "the early start of gradient buckets across hosts",
+             "tensorflow")(before)
+
+
 def coordination_service():
     """The eager context, which speaks to TF's coordination service (its key-value store)."""
     from tensorflow.python.eager import context
@@ -236,6 +242,7 @@ _STATIC = [
     ("tensorflow", "tensorflow.python.data.ops.multi_device_iterator_ops",
      "_create_device_dataset"),
     ("tensorflow", "tensorflow.python.eager.context", "context"),
+    ("tensorflow", "tensorflow.python.framework.ops", "Operation._add_control_input"),
     ("keras", "keras", "Model._symbolic_build"),
     ("keras", "keras", "Model._compute_loss"),
     *[("keras", "keras.src.backend.tensorflow.optimizer", f"TFOptimizer.{name}")

@@ -11,7 +11,9 @@ Across hosts (`Transport.overlaps`), `all_reduce_buckets` splits each bucket's o
 two: a start that hands the bucket to the transport's thread and returns, and a finish
 that waits for its sum. Every finish waits for every start, so no finish can hold the
 inter-op thread (one, on a worker pinned to one core) while backward still computes a
-later bucket: the network carries the first buckets while the last are computed.
+later bucket: the network carries the first buckets while the last are computed, and
+the ops that only later buckets need wait for the earlier buckets' starts
+(`backward_order`), so that each bucket leaves as soon as its gradients exist.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
+from tf_distrib.transport import backward_order
 from tf_distrib.transport.collective import Transport
 
 # Transport -> its token variable.
@@ -64,6 +67,7 @@ def all_reduce_buckets(transport: Transport, buckets: list[list[tf.Tensor]]) -> 
         lambda number, *arrays: np.int64(transport.start(list(arrays), seq=int(number))),
         [ticket, *bucket], tf.int64, stateful=True, name="tf_distrib_all_reduce_start"))
         for bucket in buckets]
+    backward_order.start_buckets_first(buckets, [ticket.op for ticket in tickets])
     with tf.control_dependencies(tickets):
         return [_shaped(tf.numpy_function(
             lambda number: transport.finish(int(number)), [ticket], [t.dtype for t in bucket],

@@ -161,13 +161,14 @@ def calibrate(rows: list[dict], cores: int) -> dict:
     A flat ring of N workers: S = 2(N-1) rounds of messages, L = 2(N-1)/N B sent over
     each host's link, T = L bytes sent (and received) by each worker's TCP, U = (N-1)/N E
     elements summed by each worker, M = 0. Hierarchical (P workers per host, P rings of
-    H hosts): S = 2(H-1), L = 2(H-1)/H B, T = L / P, U = (H-1)/H E / P, and M = B bytes
-    through the host's shared memory. o: processes per core, at least 1 (3 or 4
-    simulated hosts share this machine's cores). a: seconds per round (a round trip and
-    thread hand-offs: `ROUND_SECONDS`, measured apart), e: the share of the link's rate
-    the TCP streams reach, c: CPU seconds per byte (copies, the kernel's TCP), d: per
-    element summed (bfloat16 is summed in float32), s: per byte of shared memory. e by
-    a grid, (c, d, s) by least squares on the relative error, none negative.
+    H hosts): S = 2(H-1), L = 2(H-1)/H B, T = L / P, U = (H-1)/H E / P in the ring plus
+    (P-1)/P E in the host's shared memory (each worker sums its 1/P of the P workers'
+    gradients), and M = B bytes through the host's shared memory. o: processes per core, at
+    least 1 (3 or 4 simulated hosts share this machine's cores). a: seconds per round (a
+    round trip and thread hand-offs: `ROUND_SECONDS`, measured apart), e: the share of the
+    link's rate the TCP streams reach, c: CPU seconds per byte (copies, the kernel's TCP),
+    d: per element summed (bfloat16 is summed in float32), s: per byte of shared memory. e
+    by a grid, (c, d, s) by least squares on the relative error, none negative.
 
     Args:
         rows: Measured rows ("rate", "hosts", "per_host", "mode", "dtype", "bytes",
@@ -213,7 +214,10 @@ def _terms(row: dict, e: float, cores: int | None) -> tuple[list[float], float]:
     over = max(1.0, hosts * per_host / cores) if cores else 1.0
     elements = nbytes / (2 if row["dtype"] == "bfloat16" else 4)
     sent = 2 * (ring - 1) / ring * nbytes  # by each ring, over each host's link
-    return ([2 * (ring - 1), over * sent / share, over * (ring - 1) / ring * elements / share,
+    summed = (ring - 1) / ring * elements / share  # by each worker in its ring
+    if hierarchical:
+        summed += (per_host - 1) / per_host * elements  # and in its host's shared memory
+    return ([2 * (ring - 1), over * sent / share, over * summed,
              over * nbytes if hierarchical else 0.0], sent / (e * _BITS[row["rate"]] / 8))
 
 

@@ -156,7 +156,7 @@ def calibrate(rows: list[dict], cores: int) -> dict:
 
     An all-reduce of B bytes (E elements) over H hosts on links of R bytes/s takes
 
-        t = S a + L / (e R) + o (c T + d U + s M)
+        t = L / (e R) + o (S a + c T + d U + s M)
 
     A flat ring of N workers: S = 2(N-1) rounds of messages, L = 2(N-1)/N B sent over
     each host's link, T = L bytes sent (and received) by each worker's TCP, U = (N-1)/N E
@@ -164,7 +164,8 @@ def calibrate(rows: list[dict], cores: int) -> dict:
     H hosts): S = 2(H-1), L = 2(H-1)/H B, T = L / P, U = (H-1)/H E / P in the ring plus
     (P-1)/P E in the host's shared memory (each worker sums its 1/P of the P workers'
     gradients), and M = B bytes through the host's shared memory. o: processes per core, at
-    least 1 (3 or 4 simulated hosts share this machine's cores). a: seconds per round (a
+    least 1 (3 or 4 simulated hosts share this machine's cores; a round is a hand-off
+    between processes, and one that shares a core waits for it too). a: seconds per round (a
     round trip and thread hand-offs: `ROUND_SECONDS`, measured apart), e: the share of the
     link's rate the TCP streams reach, c: CPU seconds per byte (copies, the kernel's TCP),
     d: per element summed (bfloat16 is summed in float32), s: per byte of shared memory. e
@@ -207,7 +208,7 @@ def predict(model: dict, row: dict, cores: int | None = None) -> float:
 
 
 def _terms(row: dict, e: float, cores: int | None) -> tuple[list[float], float]:
-    """([S, o T, o U, o M], L / (e R)) of `calibrate`'s model for one row."""
+    """([o S, o T, o U, o M], L / (e R)) of `calibrate`'s model for one row."""
     hosts, per_host, nbytes = row["hosts"], row["per_host"], row["bytes"]
     hierarchical = row["mode"] == "shm+tcp"
     ring, share = (hosts, per_host) if hierarchical else (hosts * per_host, 1)
@@ -217,7 +218,7 @@ def _terms(row: dict, e: float, cores: int | None) -> tuple[list[float], float]:
     summed = (ring - 1) / ring * elements / share  # by each worker in its ring
     if hierarchical:
         summed += (per_host - 1) / per_host * elements  # and in its host's shared memory
-    return ([2 * (ring - 1), over * sent / share, over * summed,
+    return ([over * 2 * (ring - 1), over * sent / share, over * summed,
              over * nbytes if hierarchical else 0.0], sent / (e * _BITS[row["rate"]] / 8))
 
 

@@ -4,11 +4,13 @@
 through a bridge, each host's link shaped with tc tbf) at 1 and 10 Gbit/s; 1 worker per
 host, and 2 hosts x 2 workers with the flat ring and the hierarchical all-reduce; the
 benchmark MLP's gradient (784-1024-1024-10: 1.86M floats, 7.4 MB of float32, and its
-bfloat16 half). Each worker all-reduces it `REPEATS` times after a warm-up; the row is
-the median over repeats of the slowest worker. "link use" is the bytes each host sends
-over its link per all-reduce (a flat ring of N workers: 2(N-1)/N of the buffer on the
-one ring edge that leaves the host; hierarchical over H hosts: 2(H-1)/H of it, spread
-over the host's rings) divided by the time and the link rate: 100% is a link kept busy.
+bfloat16 half). Each worker all-reduces it `REPEATS` times after a warm-up, and takes
+the median over repeats of the slowest worker; every row is measured so in each of
+`ROUNDS` rounds over all rows, and its figure is the median over rounds. "link use" is
+the bytes each host sends over its link per all-reduce (a flat ring of N workers:
+2(N-1)/N of the buffer on the one ring edge that leaves the host; hierarchical over H
+hosts: 2(H-1)/H of it, spread over the host's rings) divided by the time and the link
+rate: 100% is a link kept busy.
 With 4 workers on this 2-core machine, they share the cores. The cost model
 (`calibrate`, `predict`) is fitted on the 2-host rows and printed against the others.
 Then `fit` on 2 hosts x 1 worker (TensorFlow's collective, tf_distrib, tf_distrib with
@@ -36,6 +38,9 @@ RATES = {rate: _BITS[rate] for rate in ("1gbit", "10gbit")}
 HOST_COUNTS = (2, 3, 4)
 GRADIENT_FLOATS = 784 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10 + 10
 REPEATS = 20
+# Rounds over every row (its figure: the median over rounds).
+ROUNDS = 3
+DTYPES = {"float32": 4, "bfloat16": 2}  # name -> bytes per element
 # (workers per host, transport mode as connect() takes it)
 LAYOUTS = ((1, "tcp"), (2, "tcp"), (2, "auto"))
 
@@ -240,7 +245,7 @@ def project(model: dict) -> list[dict]:
     for name, (floats, compute) in PROJECTED_MODELS.items():
         for link, rate in PROJECTED_LINKS.items():
             for scheme, per_host in (("flat", 1), ("hierarchical", PER_HOST)):
-                for dtype, itemsize in (("float32", 4), ("bfloat16", 2)):
+                for dtype, itemsize in DTYPES.items():
                     for k in (1, 4):
                         efficiency = {}
                         for n in PROJECTED_WORKERS:
@@ -263,16 +268,21 @@ def run(options) -> dict:
     if why:
         print(f"skipped: needs {why}")
         return {"skipped": why}
-    rows = []
-    print(f"{'link':>7} {'workers':>8} {'transport':>9} {'dtype':>9} {'ms':>8} {'link use':>9}")
     layouts = [(n, 1, "tcp") for n in HOST_COUNTS] + [(2, p, m) for p, m in LAYOUTS if p > 1]
-    for rate, bits in RATES.items():
-        for n in sorted({n for n, _, _ in layouts}):
-            with simulated_hosts.SimulatedHosts(n, rate) as hosts:
-                for per_host, mode in [(p, m) for h, p, m in layouts if h == n]:
-                    for dtype_name, itemsize in (("float32", 4), ("bfloat16", 2)):
-                        rows.append(_row(hosts, rate, bits, per_host, mode, dtype_name,
-                                         GRADIENT_FLOATS * itemsize))
+    # This VM changes speed every few seconds to minutes: every row is measured once per
+    # round, so that the 2-host rows the model is fitted on and the 3- and 4-host rows it
+    # predicts come from the same stretches of time.
+    measured: dict[tuple, list[dict]] = {}
+    for _ in range(ROUNDS):
+        for rate in RATES:
+            for n in sorted({n for n, _, _ in layouts}):
+                with simulated_hosts.SimulatedHosts(n, rate) as hosts:
+                    for per_host, mode in [(p, m) for h, p, m in layouts if h == n]:
+                        for dtype_name in DTYPES:
+                            measured.setdefault((rate, n, per_host, mode, dtype_name), []).append(
+                                _measure(hosts, per_host, mode, dtype_name))
+    print(f"{'link':>7} {'workers':>8} {'transport':>9} {'dtype':>9} {'ms':>8} {'link use':>9}")
+    rows = [_row(*key, runs) for key, runs in measured.items()]
     cores = len(os.sched_getaffinity(0))
     model = calibrate([r for r in rows if r["hosts"] == 2], cores)
     print(f"cost model from the 2-host rows: a = {model['a'] * 1e6:.0f} us per round, "
@@ -339,15 +349,16 @@ def _fit_rows(rows: list[dict]) -> list[dict]:
     return fit_rows
 
 
-def _row(hosts, rate, bits, per_host, mode, dtype_name, buffer_bytes) -> dict:
-    n = len(hosts.addresses)
-    got = _measure(hosts, per_host, mode, dtype_name)
-    use = _link_bytes(buffer_bytes, n, per_host, got["mode"]) * 8 / got["seconds"] / bits
-    print(f"{rate:>7} {f'{n}x{per_host}':>8} {got['mode']:>9} {dtype_name:>9} "
-          f"{got['seconds'] * 1e3:8.1f} {use:9.0%}", flush=True)
-    return {"rate": rate, "hosts": n, "per_host": per_host, "mode": got["mode"],
-            "dtype": dtype_name, "bytes": buffer_bytes, "seconds": got["seconds"],
-            "link_use": use}
+def _row(rate, n, per_host, requested_mode, dtype_name, runs: list[dict]) -> dict:
+    """One printed row: the median over rounds of `_measure`'s results `runs`."""
+    mode, seconds = runs[0]["mode"], statistics.median(r["seconds"] for r in runs)
+    buffer_bytes = GRADIENT_FLOATS * DTYPES[dtype_name]
+    use = _link_bytes(buffer_bytes, n, per_host, mode) * 8 / seconds / _BITS[rate]
+    print(f"{rate:>7} {f'{n}x{per_host}':>8} {mode:>9} {dtype_name:>9} "
+          f"{seconds * 1e3:8.1f} {use:9.0%}", flush=True)
+    return {"rate": rate, "hosts": n, "per_host": per_host, "mode": mode,
+            "dtype": dtype_name, "bytes": buffer_bytes, "seconds": seconds,
+            "seconds_per_round": [r["seconds"] for r in runs], "link_use": use}
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ host, and 2 hosts x 2 workers with the flat ring and the hierarchical all-reduce
 benchmark MLP's gradient (784-1024-1024-10: 1.86M floats, 7.4 MB of float32, and its
 bfloat16 half). Each worker all-reduces it `REPEATS` times after a warm-up, and takes
 the median over repeats of the slowest worker; every row is measured so in each of
-`ROUNDS` rounds over all rows, and its figure is the median over rounds. "link use" is
+`PASSES` passes over all rows, and its figure is the median over passes. "link use" is
 the bytes each host sends over its link per all-reduce (a flat ring of N workers:
 2(N-1)/N of the buffer on the one ring edge that leaves the host; hierarchical over H
 hosts: 2(H-1)/H of it, spread over the host's rings) divided by the time and the link
@@ -38,8 +38,8 @@ RATES = {rate: _BITS[rate] for rate in ("1gbit", "10gbit")}
 HOST_COUNTS = (2, 3, 4)
 GRADIENT_FLOATS = 784 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10 + 10
 REPEATS = 20
-# Rounds over every row (its figure: the median over rounds).
-ROUNDS = 3
+# Passes over every row (its figure: the median over passes; "rounds" are the ring's).
+PASSES = 3
 DTYPES = {"float32": 4, "bfloat16": 2}  # name -> bytes per element
 # (workers per host, transport mode as connect() takes it)
 LAYOUTS = ((1, "tcp"), (2, "tcp"), (2, "auto"))
@@ -218,7 +218,7 @@ def _terms(row: dict, e: float, cores: int | None) -> tuple[list[float], float]:
     hierarchical = row["mode"] == "shm+tcp"
     ring, share = (hosts, per_host) if hierarchical else (hosts * per_host, 1)
     over = max(1.0, hosts * per_host / cores) if cores else 1.0
-    elements = nbytes / (2 if row["dtype"] == "bfloat16" else 4)
+    elements = nbytes / DTYPES[row["dtype"]]
     sent = 2 * (ring - 1) / ring * nbytes  # by each ring, over each host's link
     summed = (ring - 1) / ring * elements / share  # by each worker in its ring
     if hierarchical:
@@ -270,10 +270,10 @@ def run(options) -> dict:
         return {"skipped": why}
     layouts = [(n, 1, "tcp") for n in HOST_COUNTS] + [(2, p, m) for p, m in LAYOUTS if p > 1]
     # This VM changes speed every few seconds to minutes: every row is measured once per
-    # round, so that the 2-host rows the model is fitted on and the 3- and 4-host rows it
+    # pass, so that the 2-host rows the model is fitted on and the 3- and 4-host rows it
     # predicts come from the same stretches of time.
     measured: dict[tuple, list[dict]] = {}
-    for _ in range(ROUNDS):
+    for _ in range(PASSES):
         for rate in RATES:
             for n in sorted({n for n, _, _ in layouts}):
                 with simulated_hosts.SimulatedHosts(n, rate) as hosts:
@@ -282,7 +282,8 @@ def run(options) -> dict:
                             measured.setdefault((rate, n, per_host, mode, dtype_name), []).append(
                                 _measure(hosts, per_host, mode, dtype_name))
     print(f"{'link':>7} {'workers':>8} {'transport':>9} {'dtype':>9} {'ms':>8} {'link use':>9}")
-    rows = [_row(*key, runs) for key, runs in measured.items()]
+    rows = [_row(rate, n, per_host, dtype_name, runs)
+            for (rate, n, per_host, _, dtype_name), runs in measured.items()]
     cores = len(os.sched_getaffinity(0))
     model = calibrate([r for r in rows if r["hosts"] == 2], cores)
     print(f"cost model from the 2-host rows: a = {model['a'] * 1e6:.0f} us per round, "
@@ -349,8 +350,8 @@ def _fit_rows(rows: list[dict]) -> list[dict]:
     return fit_rows
 
 
-def _row(rate, n, per_host, requested_mode, dtype_name, runs: list[dict]) -> dict:
-    """One printed row: the median over rounds of `_measure`'s results `runs`."""
+def _row(rate, n, per_host, dtype_name, runs: list[dict]) -> dict:
+    """One printed row: the median over passes of `_measure`'s results `runs`."""
     mode, seconds = runs[0]["mode"], statistics.median(r["seconds"] for r in runs)
     buffer_bytes = GRADIENT_FLOATS * DTYPES[dtype_name]
     use = _link_bytes(buffer_bytes, n, per_host, mode) * 8 / seconds / _BITS[rate]
@@ -358,7 +359,7 @@ def _row(rate, n, per_host, requested_mode, dtype_name, runs: list[dict]) -> dic
           f"{seconds * 1e3:8.1f} {use:9.0%}", flush=True)
     return {"rate": rate, "hosts": n, "per_host": per_host, "mode": mode,
             "dtype": dtype_name, "bytes": buffer_bytes, "seconds": seconds,
-            "seconds_per_round": [r["seconds"] for r in runs], "link_use": use}
+            "seconds_per_pass": [r["seconds"] for r in runs], "link_use": use}
 
 
 if __name__ == "__main__":

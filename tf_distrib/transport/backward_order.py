@@ -50,11 +50,14 @@ def start_buckets_first(buckets: list[list[tf.Tensor]], starts: list[tf.Operatio
     operations = graph.get_operations()
     made_before = operations[:operations.index(starts[0])]
     protected = _ancestors([op for op in made_before if _stateful(op)])
+    after = [set()]  # after[k]: what the last k buckets need
+    for bucket_needs in reversed(needs[1:]):
+        after.append(after[-1] | bucket_needs)
     delayed = 0
     earlier: set = set()
     for i in range(len(buckets) - 1):
         earlier |= needs[i]
-        later = set().union(*needs[i + 1:]) - earlier - protected
+        later = after[len(buckets) - 1 - i] - earlier - protected
         forks = {consumer for op in needs[i] for output in op.outputs
                  for consumer in output.consumers()
                  if consumer in later and not _stateful(consumer)}

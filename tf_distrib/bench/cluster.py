@@ -17,7 +17,9 @@ Then `fit` on 2 hosts x 1 worker (TensorFlow's collective, tf_distrib, tf_distri
 bf16) against one worker on one core, and how much of the all-reduce hid behind the
 backward pass ("hidden": (one worker's step + the all-reduce alone - the step) / the
 all-reduce alone); and PyTorch DDP (gloo) on the same layout and model against one
-PyTorch process, when torch is installed.
+PyTorch process, when torch is installed. Each of `PASSES` passes runs all of these
+back to back, and a scaling is the median over passes of a rate over its pass's one
+worker (one process of the same framework).
 Needs root (`SimulatedHosts`); skipped, naming what is missing, without it.
 """
 
@@ -310,41 +312,58 @@ def run(options) -> dict:
 
 
 def _fit_rows(rows: list[dict]) -> list[dict]:
-    """`fit` on 2 hosts x 1 worker per link rate and setting, scaling and overlap."""
+    """`fit` on 2 hosts x 1 worker per link rate and setting, scaling and overlap.
+
+    Like `bench scaling`, each pass runs every setting and the one-worker rows it is
+    compared to back to back; a setting's scaling is the median over passes of its rate
+    over its own pass's one-worker rate.
+    """
     from tf_distrib import simulated_hosts
     from tf_distrib.bench import pytorch_ddp, scaling
 
     print(f"fit, MLP 784-1024-1024-10, {scaling.PER_WORKER_BATCH} examples per worker per "
-          "step, 2 hosts x 1 worker (one core each) against 1 worker on one core")
+          "step, 2 hosts x 1 worker (one core each) against 1 worker on one core; medians "
+          f"of {PASSES} paired passes")
     print(f"  {'link':>7} {'setting':<20}{'examples/s':>11}{'scaling':>9}{'hidden':>8}")
+    # setting -> (a run on the hosts of one or of both, its one-worker setting)
+    runs = {"one worker": (lambda hosts: _fit_rate(hosts, None), "one worker")}
+    runs.update({name: (lambda hosts, s=settings: _fit_rate(hosts, s), "one worker")
+                 for name, settings in FIT_SETTINGS.items()})
+    if pytorch_ddp.available():
+        runs["1 PyTorch process"] = (lambda hosts: _ddp_rate(hosts, 1), "1 PyTorch process")
+        runs["PyTorch DDP (gloo)"] = (lambda hosts: _ddp_rate(hosts, 2), "1 PyTorch process")
     fit_rows = []
     for rate in RATES:
+        passes: dict[str, list[float]] = {name: [] for name in runs}
         with simulated_hosts.SimulatedHosts(2, rate) as hosts:
-            one = _fit_rate(hosts, None)
-            for name, settings in FIT_SETTINGS.items():
-                examples = _fit_rate(hosts, settings)
-                # How much of the all-reduce hid behind computation: step time against
-                # one worker's step plus the transport's all-reduce alone (its row).
+            for _ in range(PASSES):
+                for name, (measure, _) in runs.items():
+                    passes[name].append(measure(hosts))
+        for name, (_, baseline) in runs.items():
+            if name == baseline:
+                continue
+            examples = statistics.median(passes[name])
+            ratio = statistics.median(r / one for r, one in
+                                      zip(passes[name], passes[baseline], strict=True))
+            one = statistics.median(passes[baseline])
+            # How much of the all-reduce hid behind computation: step time against one
+            # worker's step plus the transport's all-reduce alone (its row).
+            settings, hidden = FIT_SETTINGS.get(name, {"transport": "tf"}), None
+            if settings.get("transport") != "tf":  # tf_distrib's own transport
                 dtype = "bfloat16" if settings.get("compression") else "float32"
                 alone = next(r["seconds"] for r in rows if r["rate"] == rate and
                              r["hosts"] == 2 and r["per_host"] == 1 and r["dtype"] == dtype)
                 step = 2 * scaling.PER_WORKER_BATCH / examples
                 compute = scaling.PER_WORKER_BATCH / one
-                hidden = (None if settings.get("transport") == "tf"
-                          else max(0.0, (compute + alone - step) / alone))
-                fit_rows.append({"rate": rate, "setting": name, "examples_per_sec": examples,
-                                 "scaling": examples / one, "one_worker": one,
-                                 "hidden": hidden})
-                print(f"  {rate:>7} {name:<20}{examples:>11.0f}{examples / one:>8.2f}x"
-                      + (f"{hidden:>8.0%}" if hidden is not None else f"{'':>8}"),
-                      flush=True)
-            if pytorch_ddp.available():
-                alone, examples = _ddp_rate(hosts, 1), _ddp_rate(hosts, 2)
-                fit_rows.append({"rate": rate, "setting": "PyTorch DDP (gloo)",
-                                 "examples_per_sec": examples, "scaling": examples / alone,
-                                 "one_worker": alone, "hidden": None})
-                print(f"  {rate:>7} {'PyTorch DDP (gloo)':<20}{examples:>11.0f}"
-                      f"{examples / alone:>8.2f}x   (1 PyTorch process: {alone:.0f})", flush=True)
+                hidden = max(0.0, (compute + alone - step) / alone)
+            fit_rows.append({"rate": rate, "setting": name, "examples_per_sec": examples,
+                             "scaling": ratio, "one_worker": one, "hidden": hidden,
+                             "examples_per_sec_per_pass": passes[name],
+                             "one_worker_per_pass": passes[baseline]})
+            print(f"  {rate:>7} {name:<20}{examples:>11.0f}{ratio:>8.2f}x"
+                  + (f"{hidden:>8.0%}" if hidden is not None else f"{'':>8}")
+                  + (f"   ({baseline}: {one:.0f})" if baseline != "one worker" else ""),
+                  flush=True)
     if not pytorch_ddp.available():
         print("  (PyTorch DDP rows: torch is not installed)")
     return fit_rows

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 # Benchmark name -> module with run(options) -> dict (its printed table is its own).
 BENCHMARKS = {
@@ -63,14 +64,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer steps, for smoke tests")
     options = parser.parse_args(argv)
     os.makedirs(options.out, exist_ok=True)
-    for name in options.names or BENCHMARKS:
-        print(f"\n== {name} ==", flush=True)
-        result = importlib.import_module(BENCHMARKS[name]).run(options)
-        path = os.path.join(options.out, f"{name}.json")
-        with open(path, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"(written to {path})", flush=True)
+    # A launch keeps its workers' logs in the temporary directory after the job (for the
+    # user to read); a benchmark's hundreds of launches would leave hundreds. Theirs go
+    # to a scratch directory, this process's and its children's, removed at the end.
+    with tempfile.TemporaryDirectory(prefix="tf_distrib_bench_") as scratch:
+        saved = os.environ.get("TMPDIR"), tempfile.tempdir
+        os.environ["TMPDIR"] = tempfile.tempdir = scratch
+        try:
+            for name in options.names or BENCHMARKS:
+                _run(name, options)
+        finally:
+            if saved[0] is None:
+                del os.environ["TMPDIR"]
+            else:
+                os.environ["TMPDIR"] = saved[0]
+            tempfile.tempdir = saved[1]
     return 0
+
+
+def _run(name: str, options: argparse.Namespace) -> None:
+    print(f"\n== {name} ==", flush=True)
+    result = importlib.import_module(BENCHMARKS[name]).run(options)
+    path = os.path.join(options.out, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"(written to {path})", flush=True)
 
 
 if __name__ == "__main__":

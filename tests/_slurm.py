@@ -1,8 +1,11 @@
-"""A real Slurm on this machine for the tests: munged, slurmctld and one slurmd.
+"""A real Slurm on this machine for the tests: munged, slurmctld and a slurmd per node.
 
 Everything lives in one private directory: a generated munge key and socket, a
-generated slurm.conf (one node named "localhost" with 2 CPUs, partition "test"), the
-daemons' state, spool and logs. Only `make system-deps` touches the system (it installs
+generated slurm.conf (partition "test"), the daemons' state, spool and logs. The nodes:
+this machine as one node named "localhost" with 2 CPUs, or simulated hosts
+(`tf_distrib.simulated_hosts`), one node of 1 CPU per host, named by its hostname, with
+munged, slurmctld, the clients and the batch script on host 0 (munged's socket is a file
+every host sees). Only `make system-deps` touches the system (it installs
 Debian's slurm-wlm and munge). `stop()` cancels every job and stops the daemons.
 """
 
@@ -19,20 +22,20 @@ from tf_distrib.cluster import free_ports
 COMMANDS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue")
 CONF = """\
 ClusterName=tfdtest
-SlurmctldHost=localhost(127.0.0.1)
+SlurmctldHost={controller}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 AuthInfo=socket={dir}/munge.sock
 CryptoType=crypto/munge
 StateSaveLocation={dir}/state
-SlurmdSpoolDir={dir}/spool
+SlurmdSpoolDir={dir}/spool-%n
 SlurmctldPidFile={dir}/slurmctld.pid
-SlurmdPidFile={dir}/slurmd.pid
+SlurmdPidFile={dir}/slurmd-%n.pid
 SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
 SlurmctldLogFile={dir}/slurmctld.log
-SlurmdLogFile={dir}/slurmd.log
+SlurmdLogFile={dir}/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
@@ -43,9 +46,18 @@ JobCompType=jobcomp/none
 AccountingStorageType=accounting_storage/none
 JobRequeue=1
 KillWait=30
-NodeName=localhost NodeAddr=127.0.0.1 CPUs=2 State=UNKNOWN
-PartitionName=test Nodes=localhost Default=YES MaxTime=INFINITE State=UP
+{nodes}PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
+
+
+def _cgroup_mounts() -> str:
+    """A shell command that mounts /sys/fs/cgroup as this machine has it (v1, v2 or both)."""
+    with open("/proc/self/mounts") as f:
+        mounts = [line.split()[:4] for line in f]
+    return " && ".join(
+        f"mkdir -p {point} && mount -t {kind} -o {options} {source} {point}"
+        for source, point, kind, options in mounts
+        if point == "/sys/fs/cgroup" or point.startswith("/sys/fs/cgroup/"))
 
 
 def missing() -> str | None:
@@ -60,40 +72,77 @@ def missing() -> str | None:
 
 
 class Slurm:
-    """munged + slurmctld + slurmd from `directory`; `env` is what the clients need."""
+    """munged + slurmctld + slurmd from `directory`; `env` is what the clients need.
 
-    def __init__(self, directory: str):
-        self.dir = directory
-        for sub in ("state", "spool"):
-            os.makedirs(os.path.join(directory, sub), exist_ok=True)
+    Args:
+        directory: Where everything goes.
+        hosts: `SimulatedHosts` to make the nodes of, or None: this machine, one node.
+    """
+
+    def __init__(self, directory: str, hosts=None):
+        self.dir, self._hosts = directory, hosts
+        os.makedirs(os.path.join(directory, "state"), exist_ok=True)
+        if hosts is None:
+            nodes = [("localhost", "127.0.0.1", 2)]
+        else:
+            nodes = [(name, address, 1)
+                     for name, address in zip(hosts.hostnames, hosts.addresses, strict=True)]
+        self.nodes = [name for name, _, _ in nodes]
+        for name in self.nodes:
+            os.makedirs(os.path.join(directory, f"spool-{name}"), exist_ok=True)
         self.conf = os.path.join(directory, "slurm.conf")
         ctld_port, slurmd_port = free_ports(2)
         with open(self.conf, "w") as f:
-            f.write(CONF.format(dir=directory, ctld_port=ctld_port, slurmd_port=slurmd_port))
+            f.write(CONF.format(
+                dir=directory, ctld_port=ctld_port, slurmd_port=slurmd_port,
+                controller=f"{nodes[0][0]}({nodes[0][1]})",
+                nodes="".join(f"NodeName={name} NodeAddr={address} CPUs={cpus} State=UNKNOWN\n"
+                              for name, address, cpus in nodes)))
         self.env = {**os.environ, "SLURM_CONF": self.conf}
-        key = os.path.join(directory, "munge.key")
-        self._run(["mungekey", "--create", "--keyfile", key, "--force"])
-        self._run(["munged", f"--key-file={key}", f"--socket={directory}/munge.sock",
-                   f"--pid-file={directory}/munged.pid", f"--log-file={directory}/munged.log",
-                   f"--seed-file={directory}/munge.seed", "--force"])
-        self._run(["slurmctld", "-f", self.conf])
-        self._run(["slurmd", "-f", self.conf, "-N", "localhost"])
+        try:
+            self._start_daemons()
+        except BaseException:
+            self._stop_daemons()
+            raise
+
+    def _start_daemons(self) -> None:
+        directory, key = self.dir, os.path.join(self.dir, "munge.key")
+        self._start(0, ["mungekey", "--create", "--keyfile", key, "--force"])
+        self._start(0, ["munged", f"--key-file={key}", f"--socket={directory}/munge.sock",
+                        f"--pid-file={directory}/munged.pid",
+                        f"--log-file={directory}/munged.log",
+                        f"--seed-file={directory}/munge.seed", "--force"])
+        if self._hosts is not None:
+            # slurmd needs the cgroup file systems, which `ip netns exec` leaves behind with
+            # the machine's /sys: each host mounts the same hierarchies.
+            mounts = _cgroup_mounts()
+            for i in range(len(self.nodes)):
+                self._start(i, ["sh", "-c", mounts])
+        self._start(0, ["slurmctld", "-f", self.conf])
+        for i, name in enumerate(self.nodes):
+            self._start(i, ["slurmd", "-f", self.conf, "-N", name])
         deadline = time.monotonic() + 60
-        while "idle" not in self.run(["sinfo", "-h", "-o", "%t"]).stdout:
+        while self.run(["sinfo", "-h", "-o", "%t"]).stdout.split() != ["idle"]:
             if time.monotonic() > deadline:
-                raise RuntimeError("Slurm's node did not become idle within 60 s:\n"
+                raise RuntimeError("Slurm's nodes did not become idle within 60 s:\n"
                                    + self.logs())
             time.sleep(0.5)
 
-    def run(self, argv, **kwargs) -> subprocess.CompletedProcess:
-        """A Slurm client command against this cluster (output captured as text)."""
-        return subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=60,
-                              **kwargs)
+    def run(self, argv, env: dict | None = None, cwd: str | None = None,
+            node: int = 0) -> subprocess.CompletedProcess:
+        """A command on a node (a Slurm client against this cluster), output captured."""
+        env = {**self.env, **(env or {})}
+        if self._hosts is None:
+            return subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True,
+                                  timeout=60)
+        process = self._hosts.run(node, argv, env=env, cwd=cwd, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        out, err = process.communicate(timeout=60)
+        return subprocess.CompletedProcess(argv, process.returncode, out, err)
 
     def sbatch(self, argv: list[str], cwd: str, env: dict | None = None) -> int:
         """Submits a batch job; returns its id."""
-        done = subprocess.run(["sbatch", "--parsable", *argv], cwd=cwd, capture_output=True,
-                              text=True, timeout=60, env={**self.env, **(env or {})})
+        done = self.run(["sbatch", "--parsable", *argv], env=env, cwd=cwd)
         if done.returncode:
             raise RuntimeError(f"sbatch failed: {done.stderr}")
         return int(done.stdout.strip().split(";")[0])
@@ -119,7 +168,7 @@ class Slurm:
 
     def logs(self) -> str:
         parts = []
-        for name in ("slurmctld.log", "slurmd.log"):
+        for name in ("slurmctld.log", *(f"slurmd-{node}.log" for node in self.nodes)):
             path = os.path.join(self.dir, name)
             if os.path.exists(path):
                 with open(path) as f:
@@ -132,11 +181,15 @@ class Slurm:
         deadline = time.monotonic() + 60
         while self.run(["squeue", "-h"]).stdout.strip() and time.monotonic() < deadline:
             time.sleep(0.5)
-        for name in ("slurmd", "slurmctld", "munged"):
+        self._stop_daemons()
+
+    def _stop_daemons(self) -> None:
+        for name in (*(f"slurmd-{node}" for node in self.nodes), "slurmctld", "munged"):
             _kill_from_pid_file(os.path.join(self.dir, f"{name}.pid"))
 
-    def _run(self, argv) -> None:
-        done = subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=60)
+    def _start(self, node: int, argv) -> None:
+        """Runs `argv` on a node (a daemon forks into the background), or raises."""
+        done = self.run(argv, node=node)
         if done.returncode:
             raise RuntimeError(f"{argv[0]} failed ({done.returncode}): {done.stderr}"
                                + self.logs())

@@ -117,13 +117,16 @@ def test_hosts_train_like_one_process_and_agree_bitwise(tmp_path, one_process, n
 
 def test_hostnames_and_shared_memory_are_the_hosts_own(tmp_path):
     probe = ("import os, socket; print(socket.gethostname(), os.stat('/dev/shm').st_dev, "
+             "os.getcwd(), *map(socket.gethostbyname, ['host0', 'host1']), "
              "open('/dev/shm/probe', 'w').close() or os.listdir('/dev/shm'))")
     with SimulatedHosts(2) as hosts:
-        seen = [hosts.run(i, [sys.executable, "-c", probe], stdout=subprocess.PIPE,
-                          text=True).communicate(timeout=30)[0].split(maxsplit=2)
+        seen = [hosts.run(i, [sys.executable, "-c", probe], stdout=subprocess.PIPE, text=True,
+                          cwd=tmp_path).communicate(timeout=30)[0].split(maxsplit=5)
                 for i in range(2)]
     assert [s[0] for s in seen] == ["host0", "host1"]
     assert seen[0][1] != seen[1][1] != str(os.stat("/dev/shm").st_dev)
+    # Each host runs in the directory given and resolves every host's name, as on a cluster.
+    assert [s[2:5] for s in seen] == [[str(tmp_path), "198.18.0.1", "198.18.0.2"]] * 2
     assert not os.path.exists("/dev/shm/probe")
 
 

@@ -1,7 +1,8 @@
 """examples/train.sbatch under a real Slurm: trains, survives preemption, kills, requeues.
 
-One node ("localhost", 2 CPUs) runs both tasks: 2 workers through `srun`, as on a real
-cluster but without a second host (docs/scale_out.md says so).
+One node ("localhost", 2 CPUs) runs both tasks, 2 workers through `srun`; and two nodes
+on simulated hosts (`tf_distrib.simulated_hosts`, one task each, the workers' hostnames
+and addresses from Slurm's node list, the TCP ring between them).
 """
 
 import glob
@@ -15,6 +16,7 @@ import time
 import pytest
 
 from tests import _slurm
+from tf_distrib import simulated_hosts
 from tf_distrib.cluster import free_ports
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slurm]
@@ -39,6 +41,20 @@ def slurm(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def slurm_on_two_hosts(tmp_path_factory):
+    why = _slurm.missing() or simulated_hosts.unavailable()
+    if why:
+        pytest.skip(f"needs {why}")
+    with simulated_hosts.SimulatedHosts(2, rate=None) as hosts:
+        cluster = _slurm.Slurm(str(tmp_path_factory.mktemp("slurm2")), hosts)
+        yield cluster
+        cluster.stop()
+    left = subprocess.run(["pgrep", "-a", "-f", cluster.dir], capture_output=True, text=True)
+    assert not left.stdout, f"Slurm processes left: {left.stdout}"
+    assert not subprocess.run(["pgrep", "-x", "slurmstepd"], capture_output=True).stdout
+
+
+@pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     """The digest of the same script under `tf-distrib launch -n 2`."""
     run = tmp_path_factory.mktemp("launched")
@@ -52,13 +68,14 @@ def launched(tmp_path_factory):
     return digest
 
 
-def _submit(slurm, shared, *sbatch_options):
+def _submit(slurm, shared, *sbatch_options, nodes=1):
     env = {"SHARED": str(shared), "PATH": os.path.dirname(sys.executable) + os.pathsep
            + os.environ["PATH"], "TF_DISTRIB_SLURM_PORT_BASE": str(free_ports(1)[0]),
            "TF_DISTRIB_HANG_TIMEOUT": str(HANG_TIMEOUT), "TF_CPP_MIN_LOG_LEVEL": "2",
            "TMPDIR": os.environ["TMPDIR"]}  # the test session's (tests/conftest.py)
-    # The documented edits for one 2-CPU node: sbatch's own options override the script's.
-    return slurm.sbatch(["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1",
+    # The documented edits for small nodes: sbatch's own options override the script's.
+    return slurm.sbatch([f"--nodes={nodes}", f"--ntasks-per-node={2 // nodes}",
+                         "--cpus-per-task=1",
                          "--open-mode=append", f"--output={shared}/job-%j.out",
                          *sbatch_options, "examples/train.sbatch", "--epochs", str(EPOCHS)],
                         cwd=REPO, env=env)
@@ -77,18 +94,17 @@ def _wait_for_backup(slurm, shared, job_id):
         time.sleep(0.2)
 
 
-def _task_pids(slurm, job_id) -> dict[int, int]:
-    """Global task rank -> pid of the running step's tasks."""
-    pids = {}
+def _task_pid(slurm, job_id, rank, node=0) -> int:
+    """The pid of the running step's task `rank` (global), which runs on `node`."""
     deadline = time.monotonic() + 60
-    while len(pids) < 2:
-        assert time.monotonic() < deadline
-        for line in slurm.run(["scontrol", "listpids", str(job_id)]).stdout.splitlines()[1:]:
-            pid, _, step, _, rank = line.split()
-            if step != "batch" and rank != "-":
-                pids[int(rank)] = int(pid)
+    while True:
+        listed = slurm.run(["scontrol", "listpids", str(job_id)], node=node).stdout
+        for line in listed.splitlines()[1:]:
+            pid, _, step, _, task = line.split()
+            if step != "batch" and task == str(rank):
+                return int(pid)
+        assert time.monotonic() < deadline, listed
         time.sleep(0.2)
-    return pids
 
 
 def _assert_finished_equal(slurm, shared, job_id, launched) -> str:
@@ -133,7 +149,7 @@ def test_a_requeued_job_resumes_from_its_backup_bitwise(slurm, tmp_path, launche
 def test_a_task_killed_by_the_node_restarts_from_the_last_backup(slurm, tmp_path, launched):
     job_id = _submit(slurm, tmp_path)
     _wait_for_backup(slurm, tmp_path, job_id)
-    os.kill(_task_pids(slurm, job_id)[1], signal.SIGKILL)
+    os.kill(_task_pid(slurm, job_id, 1), signal.SIGKILL)
     out = _assert_finished_equal(slurm, tmp_path, job_id, launched)
     assert "attempt 1 failed; restarting from the last backup" in out
 
@@ -141,7 +157,7 @@ def test_a_task_killed_by_the_node_restarts_from_the_last_backup(slurm, tmp_path
 def test_a_stuck_task_is_named_within_the_hang_timeout(slurm, tmp_path, launched):
     job_id = _submit(slurm, tmp_path)
     _wait_for_backup(slurm, tmp_path, job_id)
-    os.kill(_task_pids(slurm, job_id)[1], signal.SIGSTOP)
+    os.kill(_task_pid(slurm, job_id, 1), signal.SIGSTOP)
     stopped = time.monotonic()
     deadline = stopped + HANG_TIMEOUT + 30
     while "restarting from the last backup" not in _output(tmp_path, job_id):
@@ -154,3 +170,15 @@ def test_a_stuck_task_is_named_within_the_hang_timeout(slurm, tmp_path, launched
     assert re.search(r"tf_distrib watchdog: worker:0: no step finished for 20 s \(last "
                      r"finished step: step \d+ at [\d:]+; waiting for worker:1 \(", out) or (
         "unhealthy (stopped sending heartbeats):\n/job:worker/replica:0/task:1" in out), out
+
+
+def test_two_nodes_train_across_hosts_and_restart_a_killed_task(slurm_on_two_hosts, tmp_path,
+                                                                launched):
+    slurm = slurm_on_two_hosts
+    job_id = _submit(slurm, tmp_path, nodes=2)
+    _wait_for_backup(slurm, tmp_path, job_id)
+    os.kill(_task_pid(slurm, job_id, 1, node=1), signal.SIGKILL)
+    out = _assert_finished_equal(slurm, tmp_path, job_id, launched)
+    assert "attempt 1 failed; restarting from the last backup" in out
+    # Each task ran on its own host, and the workers summed over the network between them.
+    assert re.search(r"host1: task 1: Killed", out), out

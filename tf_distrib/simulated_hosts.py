@@ -1,11 +1,12 @@
 """Simulated hosts on one machine, for multi-host tests and benchmarks.
 
 Each host is a network namespace with its own address in 198.18.0.0/15 (the range
-reserved for network benchmarking, RFC 2544), its own hostname and its own /dev/shm,
-so tf_distrib sees separate machines: `make_strategy()` picks the TCP ring between them,
-as between real hosts. The hosts hang off one bridge (in a namespace of its own), and
-each host's link is shaped to `rate` in both directions (`tc ... tbf`). Traffic stays
-between these namespaces: nothing is routed to the machine's own network.
+reserved for network benchmarking, RFC 2544), its own hostname and its own /dev/shm, and
+an /etc/hosts of its own that resolves every host's name, so tf_distrib sees separate
+machines: `make_strategy()` picks the TCP ring between them, as between real hosts. The
+hosts hang off one bridge (in a namespace of its own), and each host's link is shaped to
+`rate` in both directions (`tc ... tbf`). Traffic stays between these namespaces: nothing
+is routed to the machine's own network.
 
 Needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) and iproute2, tc, unshare and nsenter;
 `unavailable()` says what is missing. Everything made is removed by `close()`, at exit,
@@ -32,6 +33,7 @@ import re
 import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -119,16 +121,26 @@ class SimulatedHosts:
                 for namespace, device in ((host, "eth0"), (self._bridge, f"p{i}")):
                     _run("tc", "-n", namespace, "qdisc", "add", "dev", device, "root", "tbf",
                          "rate", self.rate, "burst", "1mb", "latency", "5ms")
-            self._inits.append(self._start_init(host, self.hostnames[i]))
+        # Every host resolves every host's name, as on a cluster (Slurm's node lists
+        # hold names). The file is bind-mounted over /etc/hosts in each host's mount
+        # namespace, where the mount keeps it after the name is gone.
+        with tempfile.NamedTemporaryFile("w", prefix="tf_distrib_hosts_") as hosts_file:
+            hosts_file.write("127.0.0.1 localhost\n::1 localhost\n" + "".join(
+                f"{address} {name}\n" for address, name in zip(self.addresses, self.hostnames,
+                                                               strict=True)))
+            hosts_file.flush()
+            for host, hostname in zip(self._hosts, self.hostnames, strict=True):
+                self._inits.append(self._start_init(host, hostname, hosts_file.name))
 
     @staticmethod
-    def _start_init(namespace: str, hostname: str) -> subprocess.Popen:
-        """A process that holds the host's hostname and /dev/shm; others join it."""
+    def _start_init(namespace: str, hostname: str, hosts_file: str) -> subprocess.Popen:
+        """A process that holds the host's hostname, /etc/hosts and /dev/shm; others join it."""
         init = subprocess.Popen(
             ["ip", "netns", "exec", namespace, "unshare", "--uts", "--mount",
              "--propagation", "private", "sh", "-c",
-             'hostname "$1" && mount -t tmpfs -o mode=1777 tmpfs /dev/shm && echo ready '
-             '&& exec sleep 2147483647', "sh", hostname],
+             'hostname "$1" && mount -t tmpfs -o mode=1777 tmpfs /dev/shm '
+             '&& mount --bind "$2" /etc/hosts && echo ready && exec sleep 2147483647',
+             "sh", hostname, hosts_file],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True, start_new_session=True)
         ready = init.stdout.readline()  # bounded: sh either says ready or exits
@@ -144,12 +156,15 @@ class SimulatedHosts:
         Args:
             i: The host's index.
             argv: The command.
-            **popen_kwargs: For `subprocess.Popen` (env, cwd, stdout, ...).
+            **popen_kwargs: For `subprocess.Popen` (env, cwd, stdout, ...); `cwd`
+                defaults to this process's working directory, as for `Popen`.
         """
         init = self._inits[self._check(i)]
+        # Entering a mount namespace moves to its root directory: nsenter moves back.
+        cwd = os.fspath(popen_kwargs.pop("cwd", None) or os.getcwd())
         process = subprocess.Popen(
-            ["nsenter", f"--target={init.pid}", "--net", "--uts", "--mount", "--", *argv],
-            start_new_session=True, **popen_kwargs)
+            ["nsenter", f"--target={init.pid}", "--net", "--uts", "--mount", f"--wd={cwd}",
+             "--", *argv], start_new_session=True, **popen_kwargs)
         with self._lock:
             self._processes.append(process)
         return process

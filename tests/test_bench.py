@@ -44,3 +44,22 @@ def test_the_cost_model_says_when_it_has_no_fit():
         row["seconds"] *= 0.5  # faster than the link alone: only negative constants fit
     with pytest.raises(ValueError, match="no fit with non-negative constants"):
         cluster.calibrate(rows, cores=2)
+
+
+def test_a_benchmark_s_temporary_files_are_removed_after_it(tmp_path, monkeypatch):
+    import json
+    import os
+    import tempfile
+
+    from tf_distrib import bench
+
+    monkeypatch.setitem(bench.BENCHMARKS, "probe", "tests._bench_probe")
+    before = os.environ.get("TMPDIR"), tempfile.gettempdir()
+    assert bench.main(["probe", "--out", str(tmp_path)]) == 0
+    made = json.loads((tmp_path / "probe.json").read_text())
+    # Temporary files (launches' log directories) went to a scratch directory, this
+    # process's and its children's alike, and that is gone.
+    for path in (made["mine"], made["child"]):
+        assert os.path.dirname(path) == made["TMPDIR"] != before[1]
+        assert not os.path.exists(path)
+    assert (os.environ.get("TMPDIR"), tempfile.gettempdir()) == before

@@ -161,7 +161,7 @@ class SimulatedHosts:
         """
         init = self._inits[self._check(i)]
         # Entering a mount namespace moves to its root directory: nsenter moves back.
-        cwd = os.fspath(popen_kwargs.pop("cwd", None) or os.getcwd())
+        cwd = os.path.abspath(popen_kwargs.pop("cwd", None) or os.getcwd())
         process = subprocess.Popen(
             ["nsenter", f"--target={init.pid}", "--net", "--uts", "--mount", f"--wd={cwd}",
              "--", *argv], start_new_session=True, **popen_kwargs)

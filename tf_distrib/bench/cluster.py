@@ -348,8 +348,8 @@ def _fit_rows(rows: list[dict]) -> list[dict]:
             one = statistics.median(passes[baseline])
             # How much of the all-reduce hid behind computation: step time against one
             # worker's step plus the transport's all-reduce alone (its row).
-            settings, hidden = FIT_SETTINGS.get(name, {"transport": "tf"}), None
-            if settings.get("transport") != "tf":  # tf_distrib's own transport
+            settings, hidden = FIT_SETTINGS.get(name), None  # settings None: PyTorch's
+            if settings is not None and settings.get("transport") != "tf":
                 dtype = "bfloat16" if settings.get("compression") else "float32"
                 alone = next(r["seconds"] for r in rows if r["rate"] == rate and
                              r["hosts"] == 2 and r["per_host"] == 1 and r["dtype"] == dtype)

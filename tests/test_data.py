@@ -125,6 +125,20 @@ def tfds_dir(tmp_path_factory):
     return directory
 
 
+def test_preparing_the_tfds_dataset_leaves_nothing_in_the_temporary_directory(tmp_path,
+                                                                            monkeypatch):
+    import tempfile
+
+    import tf_distrib.datasets
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    builder = tf_distrib.datasets.prepare(str(tmp_path / "tfds"))
+    assert builder.info.splits["train"].num_examples == tf_distrib.datasets.NUM_EXAMPLES
+    assert not list(scratch.iterdir())
+
+
 def test_exactly_once_on_mirrored_four_replicas(file_dir):
     strategy = td.make_strategy()
     assert strategy.num_replicas_in_sync == LOGICAL_CPUS

@@ -93,10 +93,20 @@ def prepare(data_dir: str) -> tfds.core.DatasetBuilder:  # noqa: F821
     Returns:
         The prepared `tfds.core.DatasetBuilder`.
     """
+    import tempfile
+
     global _CLASS
     if _CLASS is None:
         # Defining the class registers it with TFDS under NAME; only once per process.
         _CLASS = _builder_class()
-    builder = _CLASS(data_dir=data_dir)
+    # A builder of a dataset not yet prepared leaves an empty directory in the temporary
+    # directory (TFDS' `DatasetInfo.initialize_from_bucket` makes one before it finds no
+    # metadata to fetch); it goes into one removed here.
+    with tempfile.TemporaryDirectory(prefix="tf_distrib_tfds_") as scratch:
+        saved, tempfile.tempdir = tempfile.tempdir, scratch
+        try:
+            builder = _CLASS(data_dir=data_dir)
+        finally:
+            tempfile.tempdir = saved
     builder.download_and_prepare()
     return builder

@@ -12,7 +12,8 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
+
+from tf_distrib._scratch import scratch_tempdir
 
 # Benchmark name -> module with run(options) -> dict (its printed table is its own).
 BENCHMARKS = {
@@ -67,18 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     # A launch keeps its workers' logs in the temporary directory after the job (for the
     # user to read); a benchmark's hundreds of launches would leave hundreds. Theirs go
     # to a scratch directory, this process's and its children's, removed at the end.
-    with tempfile.TemporaryDirectory(prefix="tf_distrib_bench_") as scratch:
-        saved = os.environ.get("TMPDIR"), tempfile.tempdir
-        os.environ["TMPDIR"] = tempfile.tempdir = scratch
-        try:
-            for name in options.names or BENCHMARKS:
-                _run(name, options)
-        finally:
-            if saved[0] is None:
-                del os.environ["TMPDIR"]
-            else:
-                os.environ["TMPDIR"] = saved[0]
-            tempfile.tempdir = saved[1]
+    with scratch_tempdir("tf_distrib_bench_", children=True):
+        for name in options.names or BENCHMARKS:
+            _run(name, options)
     return 0
 
 

@@ -93,7 +93,7 @@ def prepare(data_dir: str) -> tfds.core.DatasetBuilder:  # noqa: F821
     Returns:
         The prepared `tfds.core.DatasetBuilder`.
     """
-    import tempfile
+    from tf_distrib._scratch import scratch_tempdir
 
     global _CLASS
     if _CLASS is None:
@@ -102,11 +102,7 @@ def prepare(data_dir: str) -> tfds.core.DatasetBuilder:  # noqa: F821
     # A builder of a dataset not yet prepared leaves an empty directory in the temporary
     # directory (TFDS' `DatasetInfo.initialize_from_bucket` makes one before it finds no
     # metadata to fetch); it goes into one removed here.
-    with tempfile.TemporaryDirectory(prefix="tf_distrib_tfds_") as scratch:
-        saved, tempfile.tempdir = tempfile.tempdir, scratch
-        try:
-            builder = _CLASS(data_dir=data_dir)
-        finally:
-            tempfile.tempdir = saved
+    with scratch_tempdir("tf_distrib_tfds_"):
+        builder = _CLASS(data_dir=data_dir)
     builder.download_and_prepare()
     return builder

@@ -32,15 +32,26 @@ def assert_bitwise_equal(a, b):
         np.testing.assert_array_equal(wa, wb)
 
 
+@pytest.fixture(scope="module")
+def one_worker_reference(tmp_path_factory):
+    """`train_with_backup` in one worker without a strategy, uninterrupted."""
+    [reference] = run_workers(train_with_backup, 1, args=(str(tmp_path_factory.mktemp("ref")),),
+                              startup_timeout=None, quiet=True)
+    return reference
+
+
 @pytest.mark.parametrize("logical_cpus", [None, 4], ids=["no strategy", "mirrored x4"])
 @pytest.mark.multiprocess
-def test_mid_epoch_crash_resumes_bitwise_exactly(tmp_path, logical_cpus):
+def test_mid_epoch_crash_resumes_bitwise_exactly(tmp_path, logical_cpus, request):
     # 1024 examples / 32 = 32 steps per epoch; SIGKILL at step 45 (epoch 1, step 13)
     # once the backup of step 40 is written (in the background: on a loaded machine it
     # was not, 5 steps later, and the job resumed from step 32), so 8 steps of epoch 1
     # are skipped on resume.
-    [reference] = run_workers(train_with_backup, 1, args=(str(tmp_path / "ref"),),
-                              kwargs={"logical_cpus": logical_cpus}, quiet=True)
+    if logical_cpus is None:
+        reference = request.getfixturevalue("one_worker_reference")
+    else:
+        [reference] = run_workers(train_with_backup, 1, args=(str(tmp_path / "ref"),),
+                                  kwargs={"logical_cpus": logical_cpus}, quiet=True)
     result = launch(train_with_backup, 1, args=(str(tmp_path / "b"),),
                     kwargs={"logical_cpus": logical_cpus, "kill_at": 45,
                             "kill_when_saved": True}, max_restarts=1,
@@ -77,9 +88,9 @@ def test_a_shuffled_epoch_resumes_in_its_own_order_on_two_workers(tmp_path, repe
 
 
 @pytest.mark.multiprocess
-def test_killed_while_a_backup_is_written_resumes_from_the_previous_one(tmp_path):
-    [reference] = run_workers(train_with_backup, 1, args=(str(tmp_path / "ref"),),
-                              startup_timeout=None, quiet=True)
+def test_killed_while_a_backup_is_written_resumes_from_the_previous_one(tmp_path,
+                                                                       one_worker_reference):
+    reference = one_worker_reference
     # The backup of step 20 stops for a minute after its first array, in the background;
     # training goes on and the process is killed at step 22, in the middle of that write.
     result = launch(train_with_backup, 1, args=(str(tmp_path / "b"),),

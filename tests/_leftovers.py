@@ -18,6 +18,16 @@ from tf_distrib import simulated_hosts
 from tf_distrib.transport.shared_memory import SEGMENT_PREFIX
 
 
+def alive(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (dead, not yet reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(") ")[1][0] != "Z"
+
+
 def processes(tmpdir: str) -> list[tuple[int, str]]:
     """(pid, command line) of every live process, but this one, started with `tmpdir`
     as its TMPDIR."""

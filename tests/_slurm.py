@@ -18,6 +18,7 @@ import signal
 import subprocess
 import time
 
+from tests._leftovers import alive
 from tf_distrib.cluster import free_ports
 
 COMMANDS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue")
@@ -177,10 +178,14 @@ class Slurm:
         return "\n".join(parts)
 
     def stop(self) -> None:
-        """Cancels every job, then stops slurmd, slurmctld and munged."""
+        """Cancels every job, waits for their step daemons, then stops slurmd, slurmctld
+        and munged."""
         self.run(["scancel", "--partition=test"])
         deadline = time.monotonic() + 60
-        while self.run(["squeue", "-h"]).stdout.strip() and time.monotonic() < deadline:
+        # A job leaves the queue before its slurmstepd (one per step, on its node) exits.
+        while ((self.run(["squeue", "-h"]).stdout.strip()
+                or subprocess.run(["pgrep", "-x", "slurmstepd"], capture_output=True).stdout)
+               and time.monotonic() < deadline):
             time.sleep(0.5)
         self._stop_daemons()
 
@@ -212,15 +217,7 @@ def _stop_from_pid_files(paths: list[str], timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while pids and time.monotonic() < deadline:
         time.sleep(0.1)
-        pids = [pid for pid in pids if _alive(pid)]
+        pids = [pid for pid in pids if alive(pid)]
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from tests._leftovers import alive
 from tf_distrib.cluster import free_ports
 from tf_distrib.launch import launch
 
@@ -48,16 +49,6 @@ def write(tmp_path, name, text):
 
 def run_cli(*args, timeout=120):
     return subprocess.run([*LAUNCH, *args], capture_output=True, text=True, timeout=timeout)
-
-
-def alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is dead but not yet reaped by its parent.
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(") ")[1][0] != "Z"
 
 
 def test_restart_after_a_crash_then_success(tmp_path):

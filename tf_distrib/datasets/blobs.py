@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from tf_distrib._scratch import scratch_tempdir
+
 if TYPE_CHECKING:
     import tensorflow_datasets as tfds
 
@@ -93,8 +95,6 @@ def prepare(data_dir: str) -> tfds.core.DatasetBuilder:  # noqa: F821
     Returns:
         The prepared `tfds.core.DatasetBuilder`.
     """
-    from tf_distrib._scratch import scratch_tempdir
-
     global _CLASS
     if _CLASS is None:
         # Defining the class registers it with TFDS under NAME; only once per process.

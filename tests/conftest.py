@@ -2,6 +2,10 @@
 the tests start gets a private TMPDIR; at the end, whatever they left is removed and
 fails the session (tests/_leftovers.py).
 
+Launches fork their workers from a preloaded server (TF_DISTRIB_PRELOAD=1,
+`tf_distrib.launch.forkserver`): it halves the suite's time, which starting TensorFlow
+in fresh worker processes dominated. tests/test_launch.py checks both starts.
+
 Logical devices can only be configured before TensorFlow initialises, so it happens
 here, once, before any test imports a model. Tests that need another layout run in
 worker processes (tf_distrib.testing.run_workers).
@@ -19,6 +23,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
 SESSION_TMPDIR = tempfile.mkdtemp(prefix="tf_distrib-tests-")
 os.environ["TMPDIR"] = tempfile.tempdir = SESSION_TMPDIR  # this process's launches too
+os.environ.setdefault("TF_DISTRIB_PRELOAD", "1")
 _STARTED = time.time()
 _left: list[str] = []
 
@@ -26,6 +31,7 @@ import tensorflow as tf  # noqa: E402
 
 import tf_distrib  # noqa: E402
 from tests import _leftovers  # noqa: E402
+from tf_distrib.launch import forkserver  # noqa: E402
 
 LOGICAL_CPUS = 4
 tf_distrib.use_logical_cpus(LOGICAL_CPUS)
@@ -33,6 +39,7 @@ tf.get_logger().setLevel("ERROR")
 
 
 def pytest_sessionfinish(session):
+    forkserver.close_all()
     _left.extend(_leftovers.collect(SESSION_TMPDIR, _STARTED))
     if _left and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -12,11 +12,14 @@ import pytest
 
 from tests._leftovers import alive
 from tf_distrib.cluster import free_ports
-from tf_distrib.launch import launch
+from tf_distrib.launch import LaunchError, forkserver, launch
 
 pytestmark = pytest.mark.multiprocess
 
 LAUNCH = [sys.executable, "-m", "tf_distrib.launch"]
+# The command-line tests check the default start (a fresh interpreter per worker), which
+# the rest of the suite skips for speed (tests/conftest.py).
+CLI_ENV = {k: v for k, v in os.environ.items() if k != forkserver.ENV_PRELOAD}
 
 CRASH_ON_FIRST_ATTEMPT = """
 import os, sys
@@ -48,7 +51,8 @@ def write(tmp_path, name, text):
 
 
 def run_cli(*args, timeout=120):
-    return subprocess.run([*LAUNCH, *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([*LAUNCH, *args], capture_output=True, text=True, timeout=timeout,
+                          env=CLI_ENV)
 
 
 def test_restart_after_a_crash_then_success(tmp_path):
@@ -72,7 +76,8 @@ def test_no_restarts_left_names_the_worker_and_its_status(tmp_path):
     assert "worker 1 gives up" in done.stderr.split("last")[-1]
 
 
-def test_function_target_with_result_values_and_exit_codes():
+@pytest.mark.parametrize("preload", [False, True], ids=["fresh", "preloaded"])
+def test_function_target_with_result_values_and_exit_codes(preload):
     def crash_once(base):
         import os
         attempt = int(os.environ["TF_DISTRIB_ATTEMPT"])
@@ -81,18 +86,21 @@ def test_function_target_with_result_values_and_exit_codes():
         return base + int(os.environ["TF_DISTRIB_WORKER_INDEX"])
 
     result = launch(crash_once, 2, args=(10,), max_restarts=2, startup_timeout=None,
-                    quiet=True)
+                    quiet=True, preload=preload)
     assert result.exit_code == 0 and result.restarts == 1
     assert result.values == [10, 11]
     assert result.exit_codes[0][0] == -signal.SIGKILL
     assert result.attempts[0].failure == "worker 0 failed with signal SIGKILL"
 
 
-def test_worker_that_never_starts_tensorflow_fails_within_startup_timeout(tmp_path):
+@pytest.mark.parametrize("preload", [False, True], ids=["fresh", "preloaded"])
+def test_worker_that_never_starts_tensorflow_fails_within_startup_timeout(tmp_path, preload):
     script = write(tmp_path, "stubborn.py", STUBBORN)
+    if preload:  # a started fork server, so that the time below is the workers' alone
+        launch(int, 1, startup_timeout=None, quiet=True, preload=True)
     start = time.monotonic()
     result = launch(script, 2, args=(str(tmp_path),), startup_timeout=3, grace_period=1,
-                    quiet=True)
+                    quiet=True, preload=preload)
     elapsed = time.monotonic() - start
     assert result.exit_code != 0
     assert "did not reach its first training step within startup_timeout=3 s (TensorFlow's " \
@@ -107,7 +115,8 @@ def test_sigint_to_the_launcher_stops_every_worker(tmp_path):
     script = write(tmp_path, "stubborn.py", STUBBORN)
     launcher = subprocess.Popen([*LAUNCH, "-n", "2", "--startup-timeout", "0",
                                  "--grace-period", "1", script, str(tmp_path)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=CLI_ENV)
     deadline = time.monotonic() + 30
     while len(list(tmp_path.glob("pids-*"))) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -131,8 +140,53 @@ def test_function_defined_in_main_like_a_notebook_cell():
         print(launch(square, 2, args=(7,), startup_timeout=None, quiet=True).values)
     """)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60)
+                          timeout=60, env=CLI_ENV)
     assert done.stdout.strip() == "[49, 50]", done.stderr
+
+
+def _describe_worker(tag):
+    import os
+    import sys
+    return {"preloaded": "tensorflow" in sys.modules, "pid": os.getpid(),
+            "server": os.getppid(), "session": os.getsid(0), "group": os.getpgrp(),
+            "task": json.loads(os.environ["TF_CONFIG"])["task"]["index"],
+            "index": int(os.environ["TF_DISTRIB_WORKER_INDEX"]), "cwd": os.getcwd(),
+            "tag": os.environ["TAG"], "argv0": sys.argv[0], "arg": tag,
+            "main": sys.modules["__main__"].__name__}
+
+
+def test_preloaded_workers_are_processes_of_their_own_forked_from_one_server(
+        tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    runs, fds = [], []
+    for tag in ("first", "second"):
+        runs.append(launch(_describe_worker, 2, args=(tag,), env={"TAG": "same"}, quiet=True,
+                           startup_timeout=None, preload=True))
+        fds.append(len(os.listdir("/proc/self/fd")))
+    assert fds[0] == fds[1]  # nothing of a worker's left open here
+    values = [v for run in runs for v in run.values]
+    assert [v["arg"] for v in values] == ["first", "first", "second", "second"]
+    assert [(v["index"], v["task"]) for v in values] == [(0, 0), (1, 1)] * 2
+    assert [v["pid"] for v in values] == [w.pid for run in runs for w in run.workers]
+    assert all(v["preloaded"] and v["session"] == v["group"] == v["pid"] for v in values)
+    assert all(v["cwd"] == str(tmp_path) and v["tag"] == "same" for v in values)
+    assert all(v["main"] == "__main__" and v["argv0"].endswith("run_function.py")
+               for v in values)
+    [server] = {v["server"] for v in values}  # one server, reused by the second launch
+    assert server not in (os.getpid(), *(v["pid"] for v in values))
+    other = launch(_describe_worker, 1, args=("other",), env={"TAG": "other"}, quiet=True,
+                   startup_timeout=None, preload=True).values[0]
+    assert other["server"] != server and other["tag"] == "other"
+    forkserver.close_all()
+    assert not alive(server) and not alive(other["server"])
+
+
+def test_preload_that_cannot_import_tensorflow_names_the_error(tmp_path):
+    (tmp_path / "tensorflow.py").write_text("raise ImportError('no TensorFlow in here')\n")
+    with pytest.raises(LaunchError, match=r"(?s)fork server exited \(exit status 1\).*"
+                                          r"no TensorFlow in here"):
+        launch(_describe_worker, 1, args=("x",), env={"PYTHONPATH": str(tmp_path)},
+               quiet=True, startup_timeout=None, preload=True)
 
 
 def test_job_file_with_restarts(tmp_path):

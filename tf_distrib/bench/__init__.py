@@ -26,6 +26,7 @@ BENCHMARKS = {
     "scaling": "tf_distrib.bench.scaling",
     "cluster": "tf_distrib.bench.cluster",
     "model_parallel": "tf_distrib.bench.model_parallel",
+    "startup": "tf_distrib.bench.startup",
     "gpu": "tf_distrib.bench.gpu",
 }
 

@@ -51,6 +51,7 @@ class JobConfig:
     summary_file: str | None = None
     log_dir: str | None = None
     verbose: bool = False
+    preload: bool | None = None
 
     @property
     def target(self) -> str | list[str]:
@@ -134,11 +135,11 @@ def _check_types(data: dict, path: str) -> None:
                 "env": dict, "hosts": list, "host_index": int, "base_port": int,
                 "min_hosts": int, "rendezvous_timeout": seconds, "slot_failures": int,
                 "rejoin_interval": seconds, "summary_file": str, "log_dir": str,
-                "verbose": bool}
+                "verbose": bool, "preload": bool}
     for key, value in data.items():
         if value is None and key in ("startup_timeout", "hang_timeout", "timeout", "hosts",
                                      "script", "module", "summary_file", "min_workers",
-                                     "min_hosts", "log_dir"):
+                                     "min_hosts", "log_dir", "preload"):
             continue
         if (isinstance(value, bool) != (expected[key] is bool)
                 or not isinstance(value, expected[key])):

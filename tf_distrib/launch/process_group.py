@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from tf_distrib.launch import forkserver
 from tf_distrib.launch.console import Console
 
 # Lines kept per worker for error messages and results.
@@ -20,12 +21,12 @@ class WorkerProcess:
     """One worker: its process, its log file, a tail of its output and how it ended."""
 
     def __init__(self, index: int, argv: Sequence[str], env: dict, console: Console,
-                 log_path: str):
+                 log_path: str, preload: bool = False):
         self.index, self.log_path = index, log_path
         self.output: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self._console = console
         # A session of its own, so that stopping it also stops whatever it started.
-        self.process = subprocess.Popen(
+        self.process = forkserver.spawn(argv, env) if preload else subprocess.Popen(
             list(argv), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, start_new_session=True)
         self._log = open(log_path, "a", encoding="utf-8")  # noqa: SIM115 (closed by its pumps)
@@ -84,14 +85,17 @@ class ProcessGroup:
             `commands` writes to it as worker i.
         log_paths: One file per worker that gets its complete output (stdout and
             stderr in arrival order).
+        preload: Fork the workers from a process that has imported TensorFlow and
+            Keras (`tf_distrib.launch.forkserver`). Defaults to False.
     """
 
-    def __init__(self, commands, console: Console, log_paths: Sequence[str]):
+    def __init__(self, commands, console: Console, log_paths: Sequence[str],
+                 preload: bool = False):
         self.console = console
         self.workers: list[WorkerProcess] = []
         try:
             for index, ((argv, env), path) in enumerate(zip(commands, log_paths, strict=True)):
-                self.workers.append(WorkerProcess(index, argv, env, console, path))
+                self.workers.append(WorkerProcess(index, argv, env, console, path, preload))
         except BaseException:
             self.stop(grace_period=0)
             raise

@@ -15,17 +15,13 @@ import signal
 import time
 
 from tf_distrib import simulated_hosts
+from tf_distrib.launch import liveness
 from tf_distrib.transport.shared_memory import SEGMENT_PREFIX
 
 
 def alive(pid: int) -> bool:
     """Whether process `pid` exists and is not a zombie (dead, not yet reaped)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(") ")[1][0] != "Z"
+    return liveness.process_state(pid) not in (None, "Z")
 
 
 def processes(tmpdir: str) -> list[tuple[int, str]]:

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -179,6 +180,36 @@ def test_preloaded_workers_are_processes_of_their_own_forked_from_one_server(
     assert other["server"] != server and other["tag"] == "other"
     forkserver.close_all()
     assert not alive(server) and not alive(other["server"])
+
+
+def _sleep_after_naming_the_server(directory):
+    import os
+    import time
+    with open(os.path.join(directory, "server"), "w") as f:
+        f.write(str(os.getppid()))
+    time.sleep(1000)
+
+
+def test_a_killed_fork_server_hangs_nothing_and_is_replaced(tmp_path):
+    def kill_the_server():
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "server").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.1)
+        os.kill(int((tmp_path / "server").read_text()), signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_the_server)
+    killer.start()
+    start = time.monotonic()
+    result = launch(_sleep_after_naming_the_server, 1, args=(str(tmp_path),), timeout=15,
+                    grace_period=1, startup_timeout=None, quiet=True, preload=True)
+    killer.join()
+    # Its exit status died with the server; the launch still ends on time, the worker
+    # stopped, and the next launch starts a new server.
+    assert result.exit_codes == [[-signal.SIGKILL]]
+    assert time.monotonic() - start < 15 + 1 + 5
+    assert not alive(result.workers[0].pid)
+    assert launch(int, 1, startup_timeout=None, quiet=True, preload=True).exit_code == 0
 
 
 def test_preload_that_cannot_import_tensorflow_names_the_error(tmp_path):

@@ -44,6 +44,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 
+from tf_distrib.launch import liveness
 from tf_distrib.launch.errors import LaunchError
 
 #: Set to 1 to preload every launch that does not say otherwise.
@@ -109,14 +110,17 @@ class ForkedProcess:
         ready, _, _ = select.select([self._status], [], [], timeout)
         if not ready:
             return
-        chunk = self._status.recv(64)
+        try:
+            chunk = self._status.recv(64)
+        except ConnectionError:
+            chunk = b""
         self._received += chunk
         if self._received.endswith(b"\n"):
             self.returncode = int(self._received)
         elif not chunk:
             # The server died: the worker was re-parented and its status is lost. Report
-            # it once it is gone, as killed.
-            if not os.path.exists(f"/proc/{self.pid}"):
+            # it once it is gone (or a zombie its new parent does not reap), as killed.
+            if liveness.process_state(self.pid) in (None, "Z"):
                 self.returncode = -signal.SIGKILL
             else:
                 time.sleep(min(timeout, 0.1))
@@ -225,7 +229,6 @@ class ForkServer:
 
 _servers: dict[tuple, ForkServer] = {}
 _servers_lock = threading.Lock()
-atexit.register(lambda: close_all())
 
 
 def spawn(argv: Sequence[str], env: Mapping[str, str]) -> ForkedProcess:
@@ -236,8 +239,12 @@ def spawn(argv: Sequence[str], env: Mapping[str, str]) -> ForkedProcess:
     with _servers_lock:
         server = _servers.get(key)
         if server is None or not server.alive():
-            if len(_servers) >= _MAX_SERVERS:
+            if server is not None:
+                _servers.pop(key).close()
+            elif len(_servers) >= _MAX_SERVERS:
                 _servers.pop(next(iter(_servers))).close()
+            atexit.unregister(close_all)  # so that it is registered once
+            atexit.register(close_all)
             server = _servers[key] = ForkServer(argv[0], server_env)
     return server.spawn(argv, env)
 
@@ -265,9 +272,8 @@ def _serve(control: socket.socket) -> dict:
             for sock in status.values():
                 sock.close()
             sys.exit(0)
-        (length,) = _HEADER.unpack_from(data)
-        while len(data) < _HEADER.size + length:
-            data += control.recv(_HEADER.size + length - len(data))
+        while len(data) < _HEADER.size or len(data) < _HEADER.size + _length(data):
+            data += control.recv(1 << 16)
         request = json.loads(data[_HEADER.size:])
         stdin, stdout, stderr, status_fd = fds
         sys.stdout.flush()
@@ -287,6 +293,10 @@ def _serve(control: socket.socket) -> dict:
             os.close(fd)
         status[pid] = socket.socket(fileno=status_fd)
         control.sendall(b"%d\n" % pid)
+
+
+def _length(data: bytes) -> int:
+    return _HEADER.unpack_from(data)[0]
 
 
 def _reap(status: dict[int, socket.socket]) -> None:

@@ -33,15 +33,20 @@ MIN_RENDEZVOUS_SECONDS = 10.0
 _READ_SECONDS = 0.5
 
 
-def is_stopped(pid: int) -> bool:
-    """Whether process `pid` is stopped by a signal (False where /proc is missing)."""
+def process_state(pid: int) -> str | None:
+    """Process `pid`'s state letter in /proc (R, S, T, Z, ...); None when there is none."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
-        return False
+        return None
     # The command name in parentheses may hold spaces and parentheses itself.
-    return stat[stat.rfind(b")") + 2:][:1] == b"T"
+    return stat[stat.rfind(b")") + 2:][:1].decode()
+
+
+def is_stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped by a signal (False where /proc is missing)."""
+    return process_state(pid) == "T"
 
 
 @dataclasses.dataclass

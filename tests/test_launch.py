@@ -145,6 +145,18 @@ def test_function_defined_in_main_like_a_notebook_cell():
     assert done.stdout.strip() == "[49, 50]", done.stderr
 
 
+@pytest.mark.parametrize("flags, preloaded", [([], False), (["--preload"], True)],
+                         ids=["default", "--preload"])
+def test_the_command_line_preloads_only_when_asked(tmp_path, flags, preloaded):
+    script = write(tmp_path, "probe.py", """
+        import sys
+        print("tensorflow imported before the script:", "tensorflow" in sys.modules)
+    """)
+    done = run_cli("-n", "1", "--startup-timeout", "0", *flags, script)
+    assert done.returncode == 0, done.stderr
+    assert f"[worker 0] tensorflow imported before the script: {preloaded}" in done.stdout
+
+
 def _describe_worker(tag):
     import os
     import sys

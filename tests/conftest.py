@@ -5,7 +5,7 @@ fails the session (tests/_leftovers.py).
 Launches fork their workers from a preloaded server (TF_DISTRIB_PRELOAD=1,
 `tf_distrib.launch.forkserver`): starting TensorFlow in fresh worker processes was the
 suite's largest cost (28:54 -> 21:31 on a 2-core VM; docs/performance.md).
-tests/test_launch.py checks both starts.
+TF_DISTRIB_PRELOAD=0 starts them fresh; tests/test_launch.py checks both starts.
 
 Logical devices can only be configured before TensorFlow initialises, so it happens
 here, once, before any test imports a model. Tests that need another layout run in

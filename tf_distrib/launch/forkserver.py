@@ -51,7 +51,7 @@ from tf_distrib.launch.errors import LaunchError
 ENV_PRELOAD = "TF_DISTRIB_PRELOAD"
 #: Seconds a server may take to import TensorFlow and Keras before its first fork.
 READY_TIMEOUT = 300.0
-# Servers kept at once (each holds TensorFlow and Keras in memory, ~0.5 GB).
+# Servers kept at once (each holds TensorFlow and Keras in memory).
 _MAX_SERVERS = 4
 _HEADER = struct.Struct("!I")
 _REAP_SECONDS = 0.05

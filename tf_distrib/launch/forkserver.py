@@ -153,9 +153,9 @@ class ForkServer:
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def spawn(self, argv: Sequence[str], env: Mapping[str, str],
-              cwd: str | None = None) -> ForkedProcess:
-        """Forks a worker that runs `argv` (python -m MODULE ... or python SCRIPT ...).
+    def spawn(self, argv: Sequence[str], env: Mapping[str, str]) -> ForkedProcess:
+        """Forks a worker that runs `argv` (python -m MODULE ... or python SCRIPT ...) in
+        this process's working directory.
 
         Raises:
             LaunchError: the server could not start or fork.
@@ -165,7 +165,7 @@ class ForkServer:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             request = json.dumps({"argv": list(argv), "env": dict(env),
-                                  "cwd": cwd or os.getcwd()}).encode()
+                                  "cwd": os.getcwd()}).encode()
             with open(os.devnull, "rb") as devnull, self._lock:
                 try:
                     socket.send_fds(self._control, [_HEADER.pack(len(request)) + request],

@@ -158,9 +158,11 @@ def test_the_command_line_preloads_only_when_asked(tmp_path, flags, preloaded):
 
 
 def _describe_worker(tag):
+    import gc
     import os
     import sys
-    return {"preloaded": "tensorflow" in sys.modules, "pid": os.getpid(),
+    return {"preloaded": "tensorflow" in sys.modules, "frozen": gc.get_freeze_count(),
+            "pid": os.getpid(),
             "server": os.getppid(), "session": os.getsid(0), "group": os.getpgrp(),
             "task": json.loads(os.environ["TF_CONFIG"])["task"]["index"],
             "index": int(os.environ["TF_DISTRIB_WORKER_INDEX"]), "cwd": os.getcwd(),
@@ -182,6 +184,8 @@ def test_preloaded_workers_are_processes_of_their_own_forked_from_one_server(
     assert [(v["index"], v["task"]) for v in values] == [(0, 0), (1, 1)] * 2
     assert [v["pid"] for v in values] == [w.pid for run in runs for w in run.workers]
     assert all(v["preloaded"] and v["session"] == v["group"] == v["pid"] for v in values)
+    # What the server imported is frozen out of the collector's walks (~350,000 objects).
+    assert all(v["frozen"] > 100_000 for v in values), [v["frozen"] for v in values]
     assert all(v["cwd"] == str(tmp_path) and v["tag"] == "same" for v in values)
     assert all(v["main"] == "__main__" and v["argv0"].endswith("run_function.py")
                for v in values)

@@ -128,6 +128,15 @@ def _remount(disk, mode):
     subprocess.run(["mount", "-o", f"remount,{mode}", str(disk)], check=True)
 
 
+def _wait_for_the_backup_thread():
+    from tf_distrib.callbacks.background_save import THREAD_NAME
+
+    deadline = time.monotonic() + 30
+    while any(t.name == THREAD_NAME for t in threading.enumerate()):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
 def _stall(backup_dir):
     """The next backup's state file becomes a FIFO: opening it blocks, like a hung mount."""
     directory = backup_dir / "backup-000000000008"
@@ -138,6 +147,9 @@ def _stall(backup_dir):
 def _unstall(backup_dir, readers):
     readers.append(os.open(backup_dir / "backup-000000000008" / "state.bin",
                            os.O_RDONLY | os.O_NONBLOCK))
+    # The released save ends in moments, but the next steps take less: until it has
+    # ended, the save at step 16 would still find it stalled (a third failure).
+    _wait_for_the_backup_thread()
 
 
 # fault: (inject(disk, backup_dir, readers), undo(...), what the warning says)
@@ -223,12 +235,7 @@ def test_a_failed_save_is_named_keeps_the_previous_backup_and_training_goes_on(
 
 def _remove_when_written(backup_dir):
     """Deletes the directory once the backup thread is done with it (not under its feet)."""
-    from tf_distrib.callbacks.background_save import THREAD_NAME
-
-    deadline = time.monotonic() + 30
-    while any(t.name == THREAD_NAME for t in threading.enumerate()):
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    _wait_for_the_backup_thread()
     shutil.rmtree(backup_dir)
 
 

@@ -89,8 +89,10 @@ class _HostInput:
     when every device of this worker is a CPU, do not copy each replica's batch from
     the host onto its device: logical CPUs share host memory, so the copy buys nothing
     and cost `HostMirroredStrategy` 10-20% of its step rate (measured: `make bench`).
-    (A CPU worker under MWMS has one device, the host itself: nothing to skip there.)
-    A caller's own `InputOptions` are kept.
+    A worker of one CPU device (a CPU worker under MWMS) iterates a dataset given to
+    `fit` with plain tf.data iterators instead of TF's MultiDeviceIterator, which made
+    tf.data rewrite the whole pipeline again for every epoch's iterators
+    (`_compat.iterate_with_plain_iterators`). A caller's own `InputOptions` are kept.
     """
 
     _HOST_INPUT = tf.distribute.InputOptions(experimental_fetch_to_device=False)
@@ -103,9 +105,12 @@ class _HostInput:
 
     def experimental_distribute_dataset(self, dataset, options=None):
         # What Keras calls for a dataset given to `fit`: the user's own pipeline.
-        return _input_iterators.managed(
-            super().experimental_distribute_dataset(dataset, self._input_options(options)),
-            retire=True)
+        distributed = super().experimental_distribute_dataset(dataset,
+                                                              self._input_options(options))
+        if options is None and self._input_options(None) is self._HOST_INPUT \
+                and len(self.extended.worker_devices) == 1:
+            _compat.iterate_with_plain_iterators(distributed)
+        return _input_iterators.managed(distributed, retire=True)
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
         return _input_iterators.managed(

@@ -89,10 +89,10 @@ class _HostInput:
     when every device of this worker is a CPU, do not copy each replica's batch from
     the host onto its device: logical CPUs share host memory, so the copy buys nothing
     and cost `HostMirroredStrategy` 10-20% of its step rate (measured: `make bench`).
-    A worker of one CPU device (a CPU worker under MWMS) iterates a dataset given to
-    `fit` with plain tf.data iterators instead of TF's MultiDeviceIterator, which made
-    tf.data rewrite the whole pipeline again for every epoch's iterators
-    (`_compat.iterate_with_plain_iterators`). A caller's own `InputOptions` are kept.
+    A worker of one CPU device (a CPU worker under MWMS) iterates with plain tf.data
+    iterators instead of TF's MultiDeviceIterator, which made tf.data rewrite the whole
+    pipeline again for every epoch's iterators (`_compat.iterate_with_plain_iterators`).
+    A caller's own `InputOptions` are kept.
     """
 
     _HOST_INPUT = tf.distribute.InputOptions(experimental_fetch_to_device=False)
@@ -105,17 +105,20 @@ class _HostInput:
 
     def experimental_distribute_dataset(self, dataset, options=None):
         # What Keras calls for a dataset given to `fit`: the user's own pipeline.
-        distributed = super().experimental_distribute_dataset(dataset,
-                                                              self._input_options(options))
-        if options is None and self._input_options(None) is self._HOST_INPUT \
-                and len(self.extended.worker_devices) == 1:
-            _compat.iterate_with_plain_iterators(distributed)
-        return _input_iterators.managed(distributed, retire=True)
+        return self._managed(
+            super().experimental_distribute_dataset(dataset, self._input_options(options)),
+            options, retire=True)
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
-        return _input_iterators.managed(
+        return self._managed(
             super().distribute_datasets_from_function(dataset_fn, self._input_options(options)),
-            retire=False)
+            options, retire=False)
+
+    def _managed(self, distributed, options, retire: bool):
+        if (options is None and len(self.extended.worker_devices) == 1
+                and self._input_options(None) is self._HOST_INPUT):
+            _compat.iterate_with_plain_iterators(distributed)
+        return _input_iterators.managed(distributed, retire=retire)
 
 
 class KerasMultiWorkerMirroredStrategy(_HostInput,

@@ -122,13 +122,15 @@ def iterate_with_plain_iterators(dataset) -> None:
     takes time in proportion to the data held in memory: 0.23 s of CPU for a 160 MB
     `from_tensor_slices` (TF 2.21), 0.002 s once cached. With one device per worker,
     per-worker input is per-replica input, and TF's own iterators for
-    `InputReplicationMode.PER_REPLICA` without a device copy are plain `iter(dataset)`
-    (a pipeline's prefetching stays: tf.data's `inject_prefetch` adds it by default).
+    `InputReplicationMode.PER_REPLICA` without a device copy are plain `iter(dataset)`.
+    The MultiDeviceIterator's one-batch buffer goes with it; a pipeline that does not end
+    in `prefetch` gets one from tf.data's `inject_prefetch` while autotuning is on (the
+    default), and `distribute_dataset`'s end in one.
     """
     import tensorflow as tf
     from tensorflow.python.distribute import input_lib
 
-    feature = "the iterators of datasets given to fit"
+    feature = "the input iterators of one-CPU workers"
     _require(input_lib, "_should_use_multi_device_iterator", feature, "tensorflow")
     _require(dataset, "_options", feature, "tensorflow")
     dataset._options = tf.distribute.InputOptions(

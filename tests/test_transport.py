@@ -132,6 +132,64 @@ def test_sums_stay_in_shared_memory_until_a_worker_holds_every_region(tmp_path):
         assert w.value["in_place"] == [RESULT_REGIONS, RESULT_REGIONS + 1]
 
 
+def _counting(rank, n):
+    """Worker `rank`'s addend of `n` elements: small integers, so every sum is exact, with
+    a period (1009) that no chunk or part boundary shares."""
+    return np.resize(np.arange(1009, dtype=np.float32) * (rank + 1) + rank, n)
+
+
+def sum_larger_than_a_slot(directory):
+    """Runs in each worker: layouts of one slot and a few elements up to more than every
+    result region; then worker 1 holds a sum of 3 slots while both sum one of 2.
+
+    Returns, for each sum, whether it stayed in shared memory, whether it is exact and
+    its digest (the sums are too large to send back).
+    """
+    from tf_distrib.transport.shared_memory import RESULT_REGIONS
+
+    rank = int(os.environ["TF_DISTRIB_WORKER_INDEX"])
+    t = connect_pair(rank, directory, "shm")
+    sums = []
+
+    def all_reduce(n):
+        before = t.stats.in_place
+        [result] = t.all_reduce([_counting(rank, n)])
+        sums.append({"in_place": t.stats.in_place - before,
+                     "read_only": not result.flags.writeable,
+                     "exact": np.array_equal(result, np.resize(_counting(0, 1009)
+                                                               + _counting(1, 1009), n)),
+                     "digest": hashlib.sha256(result).hexdigest()})
+        return result
+
+    try:
+        slot = t.in_place_bytes // 4  # float32s per slot
+        for n in (slot + 17, 3 * slot - 5, RESULT_REGIONS * slot, RESULT_REGIONS * slot + 1):
+            all_reduce(n)
+        held = all_reduce(3 * slot)  # regions 0-2
+        kept = held.copy()
+        if rank == 0:
+            del held
+        all_reduce(2 * slot)  # regions 0-1: worker 1 holds them
+        return {"sums": sums, "intact": rank == 0 or np.array_equal(held, kept)}
+    finally:
+        t.close()
+
+
+def test_a_gradient_larger_than_a_slot_is_summed_in_place_across_regions(tmp_path):
+    workers = run_workers(sum_larger_than_a_slot, 2, args=(str(tmp_path),),
+                          startup_timeout=None, quiet=True, timeout=120)
+    for w in workers:
+        # Up to RESULT_REGIONS slots in shared memory; more, or a region that a worker
+        # still holds, in private buffers.
+        assert [s["in_place"] for s in w.value["sums"]] == [1, 1, 1, 0, 1, 0]
+        assert [s["read_only"] for s in w.value["sums"]] == [True, True, True, False, True,
+                                                             False]
+        assert all(s["exact"] for s in w.value["sums"])
+        assert w.value["intact"]
+    assert ([s["digest"] for s in workers[0].value["sums"]]
+            == [s["digest"] for s in workers[1].value["sums"]])
+
+
 def default_buckets_fit_in_place(directory):
     import tensorflow as tf
 
@@ -143,9 +201,6 @@ def default_buckets_fit_in_place(directory):
     t = connect_pair(rank, directory, "shm")
     try:
         limit = t.in_place_bytes
-        for nbytes in (limit, limit + 4):  # the largest in place, then one float more
-            t.all_reduce([np.ones(nbytes // 4, np.float32)])
-        alone = t.stats.in_place
         bucket_bytes = GradientAllReduce(transport=t).bucket_bytes
         # limit bytes together, but limit + 64 once the first is padded to a 64-byte line.
         gradients = [np.ones(limit // 8 - 1, np.float32), np.ones(limit // 8 + 1, np.float32)]
@@ -153,8 +208,8 @@ def default_buckets_fit_in_place(directory):
                             bucket_bytes, align=ALIGN)
         for members in plan:
             t.all_reduce([gradients[k] for k in members])
-        return {"limit": limit, "alone": alone, "default": bucket_bytes, "buckets": len(plan),
-                "in_place": t.stats.in_place - alone,
+        return {"limit": limit, "default": bucket_bytes, "buckets": len(plan),
+                "in_place": t.stats.in_place,
                 "given": GradientAllReduce(bucket_bytes=64 << 20, transport=t).bucket_bytes}
     finally:
         t.close()
@@ -166,7 +221,6 @@ def test_default_gradient_buckets_are_no_larger_than_the_transport_sums_in_place
     workers = run_workers(default_buckets_fit_in_place, 2, args=(str(tmp_path),),
                           startup_timeout=None, quiet=True, timeout=120)
     for w in workers:
-        assert w.value["alone"] == 1
         assert w.value["default"] == min(DEFAULT_BUCKET_BYTES, w.value["limit"])
         assert w.value["buckets"] == w.value["in_place"] == 2
         assert w.value["given"] == 64 << 20  # a size the user gives is the only limit

@@ -160,9 +160,10 @@ class Transport:
 
     @property
     def in_place_bytes(self) -> int | None:
-        """The largest layout whose sum stays in shared memory ("shm" with polled
-        counters), or None. A larger one is summed in full by every worker and copied
-        out: a 25 MiB bucket takes twice as long as two of 12.5 MiB."""
+        """One slot of shared memory ("shm" with polled counters), or None: the largest
+        bucket whose sum stays there with room for the sums of 3 more. A layout of up
+        to 4 slots also stays there, in as many result regions; a larger one is summed
+        in full by every worker and copied out."""
         return self._shm.in_place_bytes if self._shm is not None and not self._across else None
 
     def all_reduce(self, arrays: list[np.ndarray], seq: int | None = None) -> list[np.ndarray]:

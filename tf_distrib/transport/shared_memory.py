@@ -147,10 +147,10 @@ class SharedSegment:
         offset = _HEADER_BYTES + (generation * self.world + rank) * self.chunk_bytes
         return np.frombuffer(self._map, dtype, count, offset)
 
-    def region(self, index: int) -> np.ndarray:
-        """Result region `index` as bytes; every view of it refers to this array."""
-        offset = _HEADER_BYTES + (2 * self.world + index) * self.chunk_bytes
-        return np.frombuffer(self._map, np.uint8, self.chunk_bytes, offset)
+    def regions(self, first: int, count: int) -> np.ndarray:
+        """Result regions `first` to `first + count - 1` as bytes, consecutive in the segment."""
+        offset = _HEADER_BYTES + (2 * self.world + first) * self.chunk_bytes
+        return np.frombuffer(self._map, np.uint8, count * self.chunk_bytes, offset)
 
     def line(self, rank: int) -> np.ndarray:
         """Rank's control line: [chunks written, gen 0 bytes, gen 0 dtype, gen 1 bytes,
@@ -176,66 +176,96 @@ class SharedMemoryReducer:
         self._polled = _ORDERED_STORES and segment.world <= MAX_POLLED_WORLD
         self._lines = ({r: segment.line(r) for r in range(segment.world)} if self._polled
                        else {})
-        self._regions = [segment.region(i) for i in range(RESULT_REGIONS)]
-        self._in_place = 0  # in-place buckets so far: bucket k uses region k % RESULT_REGIONS
+        # Runs of consecutive result regions by (first, count), one array each, made when
+        # first used: every view of a sum refers to its run's array, which is how `_held`
+        # sees that TensorFlow still holds it.
+        self._runs: dict[tuple[int, int], np.ndarray] = {}
+        self._in_place = 0  # result regions taken so far: the next run starts after them
 
     @property
     def in_place_bytes(self) -> int | None:
-        """The largest layout `all_reduce_in_place` takes (one slot), or None."""
+        """One slot: the largest layout whose sum stays in shared memory with room for
+        `RESULT_REGIONS` of them at a time, or None (a layout of up to `RESULT_REGIONS`
+        slots takes as many regions)."""
         return self.segment.chunk_bytes if self._polled else None
 
     def fits_in_place(self, layout: Layout) -> bool:
         """Whether `all_reduce_in_place` can leave `layout`'s sum in shared memory."""
         return (self.in_place_bytes is not None
-                and MIN_IN_PLACE_BYTES <= layout.nbytes <= self.in_place_bytes)
+                and MIN_IN_PLACE_BYTES <= layout.nbytes <= RESULT_REGIONS * self.in_place_bytes)
 
     def all_reduce_in_place(self, seq: int, layout: Layout, arrays: list[np.ndarray],
                             private) -> tuple[np.ndarray, bool]:
         """The sum over workers of `arrays` (a layout that `fits_in_place`), flat.
 
+        The layout takes one result region per slot of its size, the next ones in turn.
+        Each slot-sized chunk is reduce-scattered: every worker sums its 1/N of it.
+
         Returns:
-            (sum, True): the sum is a read-only view of a result region; (sum, False): a
-            worker still held that region, and the sum is a buffer from
+            (sum, True): the sum is a read-only view of result regions; (sum, False): a
+            worker still held one of them, and the sum is a buffer from
             `private(nbytes, dtype)`.
         """
-        world, rank = self.segment.world, self.mesh.rank
+        rank, chunk_bytes = self.mesh.rank, self.segment.chunk_bytes
+        count = -(-layout.nbytes // chunk_bytes)
+        first = self._in_place % RESULT_REGIONS
+        if first + count > RESULT_REGIONS:  # a run does not wrap around the segment's end
+            first = 0
+        self._in_place = first + count
+        taken, held = ((1 << count) - 1) << first, self._held()
+        per_chunk = chunk_bytes // layout.dtype.itemsize
+        out = in_place = None
+        for start in range(0, layout.size, per_chunk):
+            stop = min(layout.size, start + per_chunk)
+            bounds, slots = self._scatter(seq, layout, arrays, start, stop, held)
+            if out is None:
+                # Every worker decides alike: each one's published mask is part of its chunk.
+                in_place = not any(int(line[_HELD]) & taken for line in self._lines.values())
+                out = (self._run(first, count)[:layout.nbytes].view(layout.dtype) if in_place
+                       else private(layout.nbytes, layout.dtype))
+            self._sum_part(layout, arrays, slots, start, bounds[rank], bounds[rank + 1],
+                           out[start:stop] if in_place else slots[rank])
+            self._lines[rank][_SUMMED] = self._chunks
+            for r, connection in self.mesh.connections.items():
+                if self._lines[r][_SUMMED] < self._chunks:
+                    self._poll(self._lines[r], connection, _SUMMED)
+            if not in_place:
+                for r, slot in enumerate(slots):
+                    out[start + bounds[r]:start + bounds[r + 1]] = slot[bounds[r]:bounds[r + 1]]
+        if in_place:
+            out.flags.writeable = False  # every worker reads it: a write would corrupt theirs
+        return out, in_place
+
+    def _scatter(self, seq: int, layout: Layout, arrays: list[np.ndarray], start: int,
+                 stop: int, held: int) -> tuple[list[int], list[np.ndarray]]:
+        """Writes into this worker's slot the elements [start, stop) of the layout (a
+        chunk) that the others sum, and waits until every worker has.
+
+        Returns:
+            Each worker's part of the chunk, worker r's [bounds[r], bounds[r + 1]) from
+            `start`, and the chunk's slots.
+        """
+        world, rank, size = self.segment.world, self.mesh.rank, stop - start
         # Parts start on 64-byte lines: two workers never write to one cache line.
         step = max(1, ALIGN // layout.dtype.itemsize)
-        bounds = [min(layout.size, -(-layout.size * r // world // step) * step)
-                  for r in range(world + 1)]
+        bounds = [min(size, -(-size * r // world // step) * step) for r in range(world + 1)]
         low, high = bounds[rank], bounds[rank + 1]
         generation = self._chunks % 2
         self._chunks += 1
-        slots = [self.segment.slot(generation, r, layout.dtype, layout.size)
-                 for r in range(world)]
-        layout.gather(arrays, 0, low, slots[rank][:low])
-        layout.gather(arrays, high, layout.size, slots[rank][high:])
-        region = self._in_place % RESULT_REGIONS
-        self._in_place += 1
-        self._announce_and_poll(seq, generation, layout, self._held())
-        # Every worker decides alike: each one's published mask is part of its chunk.
-        in_place = not any(int(line[_HELD]) >> region & 1 for line in self._lines.values())
-        result = (self._regions[region][:layout.nbytes].view(layout.dtype) if in_place
-                  else slots[rank])
-        self._sum_part(layout, arrays, slots, low, high, result)
-        self._lines[rank][_SUMMED] = self._chunks
-        for r, connection in self.mesh.connections.items():
-            if self._lines[r][_SUMMED] < self._chunks:
-                self._poll(self._lines[r], connection, _SUMMED)
-        if in_place:
-            result.flags.writeable = False  # every worker reads it: a write would corrupt theirs
-            return result, True
-        out = private(layout.nbytes, layout.dtype)
-        for r in range(world):
-            out[bounds[r]:bounds[r + 1]] = slots[r][bounds[r]:bounds[r + 1]]
-        return out, False
+        slots = [self.segment.slot(generation, r, layout.dtype, size) for r in range(world)]
+        layout.gather(arrays, start, start + low, slots[rank][:low])
+        layout.gather(arrays, start + high, stop, slots[rank][high:])
+        self._announce_and_poll(seq, generation, layout, held)
+        return bounds, slots
 
-    def _sum_part(self, layout, arrays, slots, low, high, result) -> None:
-        """result[low:high] = the sum over workers, in rank order, of that part.
+    def _sum_part(self, layout, arrays, slots, start, low, high, result) -> None:
+        """result[low:high] = the sum over workers, in rank order, of that part of the
+        chunk that starts at element `start` of the layout.
 
         This worker's own addend comes from `arrays` (it never wrote it to its slot).
         """
-        for lo, hi, piece in layout.segments(arrays, low, high):
+        for lo, hi, piece in layout.segments(arrays, start + low, start + high):
+            lo, hi = lo - start, hi - start
             if piece is None:
                 result[lo:hi] = 0
                 continue
@@ -243,11 +273,20 @@ class SharedMemoryReducer:
             parts[self.mesh.rank] = piece
             sum_into(result[lo:hi], parts)
 
+    def _run(self, first: int, count: int) -> np.ndarray:
+        """The result regions `first` to `first + count - 1`, always as the same array."""
+        if (first, count) not in self._runs:
+            self._runs[first, count] = self.segment.regions(first, count)
+        return self._runs[first, count]
+
     def _held(self) -> int:
         """The result regions this worker still has views of, as a bit mask."""
-        # The list's reference and getrefcount's argument; each view adds one.
-        return sum(1 << i for i in range(RESULT_REGIONS)
-                   if sys.getrefcount(self._regions[i]) > 2)
+        held = 0
+        for first, count in self._runs:
+            # The dict's reference and getrefcount's argument; each view adds one.
+            if sys.getrefcount(self._runs[first, count]) > 2:
+                held |= ((1 << count) - 1) << first
+        return held
 
     def all_reduce(self, seq: int, layout: Layout, arrays: list[np.ndarray],
                    out: np.ndarray) -> None:

@@ -6,6 +6,7 @@ import os
 import random
 import socket
 import struct
+import subprocess
 import threading
 import time
 
@@ -230,6 +231,24 @@ def test_default_gradient_buckets_are_no_larger_than_the_transport_sums_in_place
                                          ([0, 0, 1], "tcp")], ids=["2x2", "2x3", "2+1"])
 def test_hosts_with_several_workers_sum_hierarchically_exactly_and_identically(
         tmp_path, hosts, mode):
+    _sum_hierarchically(tmp_path, hosts, mode)
+
+
+def test_hosts_with_less_shared_memory_make_every_host_sum_in_slots_of_their_size(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("needs root: mounts a 32 MB tmpfs as one pretend host's /dev/shm")
+    small = tmp_path / "host1"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(small)], check=True)
+    try:
+        # Slots of 1 MiB there (16 MiB in /dev/shm): the 2.8 MB sum takes three of them
+        # on both hosts, whose workers ring-reduce the same parts of each.
+        _sum_hierarchically(tmp_path, [0, 0, 1, 1], "shm+tcp")
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+
+
+def _sum_hierarchically(tmp_path, hosts, mode):
     # Chunks of 1 element to several shared-memory slots (frames and polled counters).
     sizes = [1, 7, 65_537, 700_000]
     world = len(hosts)

@@ -34,7 +34,12 @@ from tf_distrib.transport.buffers import BufferPool, Layout
 from tf_distrib.transport.errors import PeerLostError, TransportError
 from tf_distrib.transport.mesh import Mesh, SubMesh, TransportUnavailable
 from tf_distrib.transport.ring import ring_all_reduce
-from tf_distrib.transport.shared_memory import SharedMemoryReducer, SharedSegment, chunk_bytes_for
+from tf_distrib.transport.shared_memory import (
+    MIN_CHUNK_BYTES,
+    SharedMemoryReducer,
+    SharedSegment,
+    chunk_bytes_for,
+)
 from tf_distrib.transport.store import Store
 
 __all__ = ["Transport", "Stats", "connect", "MODES", "TransportUnavailable",
@@ -251,11 +256,16 @@ class Transport:
             if self.failure is not None:
                 raise self.failure
             # Across hosts (`overlaps`) `start` has gathered the arrays into job.out.
-            if self._across is not None:
+            if self._across is not None and self._shm.in_place_bytes is not None:
+                job.out, in_place = self._shm.all_reduce_scattered(
+                    job.seq, layout, arrays, self._results.take, self._across,
+                    self._scratch.take)
+                self.stats.in_place += in_place
+            elif self._across is not None:
                 self._hierarchical_all_reduce(job.seq, layout, arrays, job.out)
             elif self._shm is not None and self._shm.fits_in_place(layout):
-                job.out, in_place = self._shm.all_reduce_in_place(job.seq, layout, arrays,
-                                                                  self._results.take)
+                job.out, in_place = self._shm.all_reduce_scattered(job.seq, layout, arrays,
+                                                                   self._results.take)
                 self.stats.in_place += in_place
             elif self._shm is not None:
                 job.out = self._results.take(layout.nbytes, layout.dtype)
@@ -279,7 +289,9 @@ class Transport:
             job.done.set()
 
     def _hierarchical_all_reduce(self, seq, layout, arrays, out) -> None:
-        self._shm.all_reduce(seq, layout, arrays, out)  # the host's sum, on each of its workers
+        """Without polled counters: the host's sum on each of its workers, a ring across
+        hosts of each worker's slice of it, then an all-gather in the host."""
+        self._shm.all_reduce(seq, layout, arrays, out)
         local = self._shm.mesh
         n = len(local.peers)
         bounds = [layout.size * c // n for c in range(n + 1)]
@@ -388,8 +400,17 @@ def _hierarchical_segment(mesh: Mesh, hosts: list[list[int]], store: Store, pref
     Every host makes its own; all workers use them only if every host succeeded.
     """
     index = next(i for i, group in enumerate(hosts) if mesh.rank in group)
+    # A worker ring-reduces its part of each slot-sized chunk with its peers on the other
+    # hosts, so every host's slots are as large as the smallest host's.
+    try:
+        mine = chunk_bytes_for(len(hosts[index]), directory)
+    except OSError:
+        mine = MIN_CHUNK_BYTES  # no segment here either: `_shared_segment` says why
+    store.set(f"{prefix}/chunk_bytes/{mesh.rank}", str(mine))
+    chunk_bytes = min(int(store.get(f"{prefix}/chunk_bytes/{r}", timeout))
+                      for r in range(len(mesh.peers)))
     segment, why = _shared_segment(SubMesh.of(mesh, hosts[index]), store,
-                                   f"{prefix}/host{index}", timeout, directory)
+                                   f"{prefix}/host{index}", timeout, directory, chunk_bytes)
     store.set(f"{prefix}/hierarchical/{mesh.rank}", why)
     if any(store.get(f"{prefix}/hierarchical/{r}", timeout) != "ok"
            for r in range(len(mesh.peers))):
@@ -400,13 +421,18 @@ def _hierarchical_segment(mesh: Mesh, hosts: list[list[int]], store: Store, pref
 
 
 def _shared_segment(mesh: Mesh | SubMesh, store: Store, prefix: str, timeout: float,
-                    directory: str) -> tuple[SharedSegment | None, str]:
-    """One segment every worker of `mesh` attached, or (None, why not); they all agree."""
+                    directory: str, chunk_bytes: int | None = None
+                    ) -> tuple[SharedSegment | None, str]:
+    """One segment every worker of `mesh` attached, or (None, why not); they all agree.
+
+    Its slots are of `chunk_bytes`, or, when None (the default), as large as `directory`
+    has room for.
+    """
     world, segment = len(mesh.peers), None
     if mesh.rank == 0:
         try:
-            segment, token = SharedSegment.create(world, chunk_bytes_for(world, directory),
-                                                  directory)
+            segment, token = SharedSegment.create(
+                world, chunk_bytes or chunk_bytes_for(world, directory), directory)
             offer = {"path": segment.path, "token": token}
         except OSError as e:
             offer = {"error": f"cannot make a shared-memory segment in {directory} "

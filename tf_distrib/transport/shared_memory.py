@@ -46,6 +46,7 @@ from tf_distrib.transport import wire
 from tf_distrib.transport.buffers import ALIGN, Layout, sum_into
 from tf_distrib.transport.errors import ProtocolError
 from tf_distrib.transport.mesh import Mesh
+from tf_distrib.transport.ring import ring_all_reduce
 
 _MAGIC = b"tf_distrib shm 2"  # 2: result regions after the slots
 SEGMENT_PREFIX = "tf_distrib-"  # the segments' file names in /dev/shm
@@ -194,20 +195,29 @@ class SharedMemoryReducer:
         return (self.in_place_bytes is not None
                 and MIN_IN_PLACE_BYTES <= layout.nbytes <= RESULT_REGIONS * self.in_place_bytes)
 
-    def all_reduce_in_place(self, seq: int, layout: Layout, arrays: list[np.ndarray],
-                            private) -> tuple[np.ndarray, bool]:
-        """The sum over workers of `arrays` (a layout that `fits_in_place`), flat.
+    def all_reduce_scattered(self, seq: int, layout: Layout, arrays: list[np.ndarray],
+                             private, across: Mesh | None = None,
+                             scratch=None) -> tuple[np.ndarray, bool]:
+        """The sum over workers of `arrays`, flat, by reduce-scatter: each slot-sized chunk
+        is cut into one part per worker, and each worker sums its part.
 
-        The layout takes one result region per slot of its size, the next ones in turn.
-        Each slot-sized chunk is reduce-scattered: every worker sums its 1/N of it.
+        A layout that `fits_in_place` takes one result region per slot of its size, the
+        next ones in turn, and its sum stays there unless a worker still holds one of
+        them; otherwise every worker gathers the parts into a buffer from
+        `private(nbytes, dtype)`. Needs polled counters (`in_place_bytes` is not None).
+
+        Args:
+            across: The workers of this worker's local rank on the other hosts ("shm+tcp",
+                whose hosts use slots of one size): each part summed here is then
+                ring-all-reduced with theirs. Defaults to None: one host.
+            scratch: `scratch(nbytes, dtype)`, a buffer for that ring. Defaults to None.
 
         Returns:
-            (sum, True): the sum is a read-only view of result regions; (sum, False): a
-            worker still held one of them, and the sum is a buffer from
-            `private(nbytes, dtype)`.
+            (sum, True): the sum is a read-only view of result regions; (sum, False): it
+            is a buffer from `private`.
         """
         rank, chunk_bytes = self.mesh.rank, self.segment.chunk_bytes
-        count = -(-layout.nbytes // chunk_bytes)
+        count = -(-layout.nbytes // chunk_bytes) if self.fits_in_place(layout) else 0
         first = self._in_place % RESULT_REGIONS
         if first + count > RESULT_REGIONS:  # a run does not wrap around the segment's end
             first = 0
@@ -220,11 +230,19 @@ class SharedMemoryReducer:
             bounds, slots = self._scatter(seq, layout, arrays, start, stop, held)
             if out is None:
                 # Every worker decides alike: each one's published mask is part of its chunk.
-                in_place = not any(int(line[_HELD]) & taken for line in self._lines.values())
+                in_place = count > 0 and not any(int(line[_HELD]) & taken
+                                                 for line in self._lines.values())
                 out = (self._run(first, count)[:layout.nbytes].view(layout.dtype) if in_place
                        else private(layout.nbytes, layout.dtype))
-            self._sum_part(layout, arrays, slots, start, bounds[rank], bounds[rank + 1],
-                           out[start:stop] if in_place else slots[rank])
+            low, high = bounds[rank], bounds[rank + 1]
+            target = out[start:stop] if in_place else slots[rank]
+            self._sum_part(layout, arrays, slots, start, low, high, target)
+            if across is not None and low < high:
+                # Frames on a connection are matched in order: each chunk's ring can
+                # number its steps as the first one did.
+                ring_all_reduce(across, seq, target[low:high], scratch(
+                    ((high - low) // len(across.peers) + 1) * layout.dtype.itemsize,
+                    layout.dtype))
             self._lines[rank][_SUMMED] = self._chunks
             for r, connection in self.mesh.connections.items():
                 if self._lines[r][_SUMMED] < self._chunks:

@@ -97,11 +97,13 @@ class _HostInput:
 
     _HOST_INPUT = tf.distribute.InputOptions(experimental_fetch_to_device=False)
 
+    @property
+    def _all_cpu(self) -> bool:
+        return all(tf.DeviceSpec.from_string(d).device_type == "CPU"
+                   for d in self.extended.worker_devices)
+
     def _input_options(self, options):
-        if options is None and all(tf.DeviceSpec.from_string(d).device_type == "CPU"
-                                   for d in self.extended.worker_devices):
-            return self._HOST_INPUT
-        return options
+        return self._HOST_INPUT if options is None and self._all_cpu else options
 
     def experimental_distribute_dataset(self, dataset, options=None):
         # What Keras calls for a dataset given to `fit`: the user's own pipeline.
@@ -115,8 +117,7 @@ class _HostInput:
             options, retire=False)
 
     def _managed(self, distributed, options, retire: bool):
-        if (options is None and len(self.extended.worker_devices) == 1
-                and self._input_options(None) is self._HOST_INPUT):
+        if options is None and len(self.extended.worker_devices) == 1 and self._all_cpu:
             _compat.iterate_with_plain_iterators(distributed)
         return _input_iterators.managed(distributed, retire=retire)
 

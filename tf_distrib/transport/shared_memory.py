@@ -16,18 +16,21 @@ the counter costs a few microseconds. x86-64 keeps stores in order, so a counter
 raised means the slot it covers is written; other architectures would need memory
 fences that Python cannot issue.
 
-A bucket that fits one slot is reduce-scattered in place (where counters are polled):
-each worker writes into its slot only the parts that others sum, sums its own 1/N of
-the bucket (its own part read straight from its arrays) into one of the segment's
-result regions, and everyone's results are read-only views of it: nobody copies a sum
-back, and each worker touches about half the bytes of a full sum per worker (2
-workers: 18.5 MB instead of 37 for the MLP's 7.4 MB). A region is reused only when no
-worker still holds a view of it (TensorFlow keeps a result until its step has applied
-it): each worker publishes which regions it holds with its chunk, and if any worker
-holds the region a bucket would use, all of them sum into their own slots and copy the
-sums into private buffers instead. TensorFlow never writes into a result it was handed
-(kernels reuse an input's buffer only if TensorFlow allocated it: `Tensor::RefCountIsOne`
-requires `OwnsMemory`), so one worker's optimizer cannot change what another reads.
+A bucket of up to `RESULT_REGIONS` slots is reduce-scattered in place (where counters
+are polled), a slot-sized chunk at a time: each worker writes into its slot only the
+parts that others sum, sums its own 1/N of the chunk (its own part read straight from
+its arrays) into the segment's result regions (one per slot of the bucket), and
+everyone's results are read-only views of them: nobody copies a sum back, and each
+worker touches about half the bytes of a full sum per worker (2 workers: 18.5 MB
+instead of 37 for the MLP's 7.4 MB). A region is reused only when no worker still holds
+a view of it (TensorFlow keeps a result until its step has applied it): each worker
+publishes which regions it holds with its chunk, and if any worker holds a region a
+bucket would use, all of them sum into their own slots and copy the sums into private
+buffers instead. Across hosts ("shm+tcp") each worker ring-reduces its part of each
+chunk with the workers of its local rank on the other hosts before the others read it.
+TensorFlow never writes into a result it was handed (kernels reuse an input's buffer
+only if TensorFlow allocated it: `Tensor::RefCountIsOne` requires `OwnsMemory`), so one
+worker's optimizer cannot change what another reads.
 """
 
 from __future__ import annotations
@@ -191,7 +194,7 @@ class SharedMemoryReducer:
         return self.segment.chunk_bytes if self._polled else None
 
     def fits_in_place(self, layout: Layout) -> bool:
-        """Whether `all_reduce_in_place` can leave `layout`'s sum in shared memory."""
+        """Whether `all_reduce_scattered` can leave `layout`'s sum in shared memory."""
         return (self.in_place_bytes is not None
                 and MIN_IN_PLACE_BYTES <= layout.nbytes <= RESULT_REGIONS * self.in_place_bytes)
 

@@ -244,14 +244,19 @@ def test_leftover_temporary_and_retired_files_are_ignored_then_deleted(tmp_path)
 
 def test_delete_checkpoint_and_keep(tmp_path):
     callback = td.callbacks.BackupAndRestore(str(tmp_path), save_freq=2, keep=3)
-    purge = callback._store.purge_retired
-    callback._store.purge_retired = lambda: (time.sleep(2), purge())
+    # The deletion at the end of fit takes until the test lets it go (a sleep would race
+    # with a slow machine).
+    ending, release = threading.Event(), threading.Event()
+    retire_all, purge = callback._store.retire_all, callback._store.purge_retired
+    callback._store.retire_all = lambda: (ending.set(), retire_all())
+    callback._store.purge_retired = lambda: (ending.is_set() and release.wait(60), purge())
     small_model().fit(small_data(), epochs=1, verbose=0, callbacks=[callback])
     # Gone from the directory when fit returns, though their files are still being
     # deleted: a fit that follows at once starts afresh.
     assert callback._writer.busy and len(os.listdir(tmp_path)) == 3
     assert fit_with_backups(tmp_path, keep=3).restored_step is None
     assert len([p for p in os.listdir(tmp_path) if p.startswith("backup-")]) == 3
+    release.set()
     callback._writer.wait()
     assert len(os.listdir(tmp_path)) == 3
 

@@ -234,15 +234,15 @@ def test_hosts_with_several_workers_sum_hierarchically_exactly_and_identically(
     _sum_hierarchically(tmp_path, hosts, mode)
 
 
-def test_hosts_with_less_shared_memory_make_every_host_sum_in_slots_of_their_size(tmp_path):
+def test_hosts_with_different_shared_memory_sum_in_slots_of_the_smallest(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("needs root: mounts a 32 MB tmpfs as one pretend host's /dev/shm")
     small = tmp_path / "host1"
     small.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(small)], check=True)
     try:
-        # Slots of 1 MiB there (16 MiB in /dev/shm): the 2.8 MB sum takes three of them
-        # on both hosts, whose workers ring-reduce the same parts of each.
+        # Slots of 1 MiB there, so on both hosts (16 MiB in /dev/shm alone): the 2.8 MB
+        # sum takes three on each, whose parts the hosts' workers ring-reduce alike.
         _sum_hierarchically(tmp_path, [0, 0, 1, 1], "shm+tcp")
     finally:
         subprocess.run(["umount", str(small)], check=True)

@@ -256,20 +256,17 @@ class Transport:
             if self.failure is not None:
                 raise self.failure
             # Across hosts (`overlaps`) `start` has gathered the arrays into job.out.
-            if self._across is not None and self._shm.in_place_bytes is not None:
-                job.out, in_place = self._shm.all_reduce_scattered(
-                    job.seq, layout, arrays, self._results.take, self._across,
-                    self._scratch.take)
+            shm, across = self._shm, self._across
+            if shm is not None and shm.in_place_bytes is not None and (
+                    across is not None or shm.fits_in_place(layout)):
+                job.out, in_place = shm.all_reduce_scattered(
+                    job.seq, layout, arrays, self._results.take, across, self._scratch.take)
                 self.stats.in_place += in_place
-            elif self._across is not None:
+            elif across is not None:
                 self._hierarchical_all_reduce(job.seq, layout, arrays, job.out)
-            elif self._shm is not None and self._shm.fits_in_place(layout):
-                job.out, in_place = self._shm.all_reduce_scattered(job.seq, layout, arrays,
-                                                                   self._results.take)
-                self.stats.in_place += in_place
-            elif self._shm is not None:
+            elif shm is not None:
                 job.out = self._results.take(layout.nbytes, layout.dtype)
-                self._shm.all_reduce(job.seq, layout, arrays, job.out)
+                shm.all_reduce(job.seq, layout, arrays, job.out)
             else:
                 scratch = self._scratch.take(
                     (layout.size // self.world + 1) * layout.dtype.itemsize, layout.dtype)

@@ -42,13 +42,18 @@ def _inputs(rank, sizes, dtype_name):
 
 
 def sum_on_workers(directory, mode, sizes, dtype_name, repeats=2, secret=b"job secret",
-                   hosts=None):
+                   hosts=None, polled=True):
     """Runs in each worker: all-reduces the same buckets `repeats` times.
 
     `hosts[rank]` puts the worker on a pretend host of that number: its shared-memory
     segment lives in a directory of another file system than /dev/shm, so that its host
-    id differs (the real thing across hosts: tests/test_multi_host.py).
+    id differs (the real thing across hosts: tests/test_multi_host.py). `polled=False`
+    makes the worker's shared memory work as off x86-64, without polled counters.
     """
+    if not polled:
+        from tf_distrib.transport import shared_memory
+
+        shared_memory._ORDERED_STORES = False
     rank = int(os.environ["TF_DISTRIB_WORKER_INDEX"])
     world = int(os.environ["TF_DISTRIB_NUM_WORKERS"])
     shm_directory = "/dev/shm"
@@ -71,16 +76,19 @@ def sum_on_workers(directory, mode, sizes, dtype_name, repeats=2, secret=b"job s
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-@pytest.mark.parametrize("mode", ["shm", "tcp"])
-def test_sums_are_exact_and_bitwise_identical(tmp_path, mode, world):
+@pytest.mark.parametrize("mode, polled", [("shm", True), ("tcp", True), ("shm", False)],
+                         ids=["shm", "tcp", "shm-unpolled"])
+def test_sums_are_exact_and_bitwise_identical(tmp_path, mode, polled, world):
     # Bucket sizes from 1 element up; lengths that do not divide by the worker count.
     sizes = [1, 7, 1000, 65_537]
     workers = run_workers(sum_on_workers, world, args=(str(tmp_path), mode, sizes, "float32"),
-                          startup_timeout=None, quiet=True, timeout=120)
+                          kwargs={"polled": polled}, startup_timeout=None, quiet=True,
+                          timeout=120)
     inputs = [_inputs(r, sizes, "float32") for r in range(world)]
     for w in workers:
         assert w.value["mode"] == mode
         assert w.value["stats"].collectives == 2
+        assert (w.value["stats"].in_place > 0) == (mode == "shm" and polled)
         for k, got in enumerate(w.value["sums"]):
             reference = sum(x[k].astype(np.float64) for x in inputs)
             np.testing.assert_allclose(got, reference, rtol=1e-6, atol=1e-5 * world)
@@ -248,13 +256,20 @@ def test_hosts_with_different_shared_memory_sum_in_slots_of_the_smallest(tmp_pat
         subprocess.run(["umount", str(small)], check=True)
 
 
-def _sum_hierarchically(tmp_path, hosts, mode):
+def test_hosts_without_polled_counters_sum_hierarchically_exactly(tmp_path):
+    # Off x86-64: each worker sums the host's gradients in full, rings its slice across
+    # hosts, and gathers the others' slices; nothing is summed in place.
+    workers = _sum_hierarchically(tmp_path, [0, 0, 1, 1], "shm+tcp", polled=False)
+    assert all(w.value["stats"].in_place == 0 for w in workers)
+
+
+def _sum_hierarchically(tmp_path, hosts, mode, polled=True):
     # Chunks of 1 element to several shared-memory slots (frames and polled counters).
     sizes = [1, 7, 65_537, 700_000]
     world = len(hosts)
     workers = run_workers(sum_on_workers, world, args=(str(tmp_path), "auto", sizes, "float32"),
-                          kwargs={"hosts": hosts}, startup_timeout=None, quiet=True,
-                          timeout=120)
+                          kwargs={"hosts": hosts, "polled": polled}, startup_timeout=None,
+                          quiet=True, timeout=120)
     inputs = [_inputs(r, sizes, "float32") for r in range(world)]
     for w in workers:
         assert w.value["mode"] == mode
@@ -264,6 +279,7 @@ def _sum_hierarchically(tmp_path, hosts, mode):
     digests = {hashlib.sha256(b"".join(s.tobytes() for s in w.value["sums"])).hexdigest()
                for w in workers}
     assert len(digests) == 1
+    return workers
 
 
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float16"])

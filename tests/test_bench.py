@@ -11,6 +11,25 @@ def test_a_failed_benchmark_process_says_why():
         run_in_fresh_process("tf_distrib.no_such_bench")
 
 
+def test_scaling_and_overhead_pair_each_row_with_its_baseline_of_the_same_round():
+    from tf_distrib.bench.scaling import _rounds
+
+    def measurements(rates, cpu_ms):
+        rows = iter([{"examples_per_sec": r, "cpu_per_step": c / 1e3}
+                     for r, c in zip(rates, cpu_ms, strict=True)])
+        return lambda: next(rows)
+
+    # The machine's speed moves between rounds; each round's pair moves with it.
+    runs = {"1 worker": ("1 worker", measurements([100, 200, 150], [30, 40, 35])),
+            "2 workers": ("1 worker", measurements([190, 360, 240], [32, 43, 41]))}
+    report = _rounds(runs, rounds=3)
+    assert report["scaling_per_round"]["2 workers"] == pytest.approx([1.9, 1.8, 1.6])
+    assert report["scaling"]["2 workers"] == pytest.approx(1.8)  # not 240 / 150
+    assert report["overhead_ms_per_round"]["2 workers"] == pytest.approx([2, 3, 6])
+    assert report["overhead_ms_per_step"]["2 workers"] == pytest.approx(3)  # not 41 - 35
+    assert report["overhead_ms_per_step"]["1 worker"] == 0
+
+
 def _rows(model):
     """Rows as `bench cluster` measures them, timed by `model` itself."""
     from tf_distrib.bench import cluster

@@ -15,15 +15,17 @@ steps. PyTorch DDP (gloo) on the same layout and architecture, when torch is ins
 
 Each row also prints what a second worker adds to a step: the CPU seconds per step of a
 worker (`getrusage`, all its threads, over the measured epoch) minus those of the one
-worker it is compared to. Below the rows, the floor of that overhead on this machine's
-memory (`all_reduce_floor`): the copy and the sum that each of 2 workers cannot avoid in a
-shared-memory all-reduce of the model's gradients, timed in one process on one core.
+worker it is compared to, and its lowest and highest round. Below the rows, the floor of
+that overhead on this machine's memory (`all_reduce_floor`): the copy and the sum that
+each of 2 workers cannot avoid in a shared-memory all-reduce of the model's gradients,
+timed in one process on one core.
 
 Every setting runs once per round, in 3 rounds, and the scaling is the median over
-rounds of a setting's rate over the one-worker rate of its own round: the development VM
-switches between two speeds (25% apart) every few seconds to minutes, and comparing best
-runs from different moments put the one-worker baseline and the two-worker runs in
-different phases (tf_distrib's scaling came out 1.15x, 1.37x and 1.61x on three days).
+rounds of a setting's rate over the one-worker rate of its own round (the overhead is
+paired the same way): the development VM switches between two speeds (25% apart) every
+few seconds to minutes, and comparing best runs from different moments put the
+one-worker baseline and the two-worker runs in different phases (tf_distrib's scaling
+came out 1.15x, 1.37x and 1.61x on three days).
 """
 
 from __future__ import annotations
@@ -70,25 +72,27 @@ class Setting:
         return f"1 worker, K={self.accumulation}" if self.accumulation else f"1 worker{suffix}"
 
 
+# In each group tf_distrib's row runs right after the one-worker row it is paired with,
+# leaving the VM the least time to change speed between the two.
 SETTINGS = {
     "1 worker": Setting(1),
+    "2 workers, tf_distrib (default: shm)": Setting(2),
     "2 workers, no communication (the ceiling)": Setting(2, None),
     "2 workers, TF collective": Setting(2, {"transport": "tf"}),
-    "2 workers, tf_distrib (default: shm)": Setting(2),
     "2 workers, tf_distrib tcp": Setting(2, {"transport": "tcp"}),
     "2 workers, TF collective + bf16": Setting(2, {"transport": "tf", "compression": "bf16"}),
     "2 workers, tf_distrib + bf16": Setting(2, {"compression": "bf16"}),
     "1 worker, plain dataset": Setting(1, data="plain"),
-    "2 workers, plain dataset, TF collective": Setting(2, {"transport": "tf"}, data="plain"),
     "2 workers, plain dataset, tf_distrib": Setting(2, data="plain"),
+    "2 workers, plain dataset, TF collective": Setting(2, {"transport": "tf"}, data="plain"),
     f"1 worker, K={ACCUMULATION}": Setting(1, accumulation=ACCUMULATION),
+    f"2 workers, K={ACCUMULATION}, tf_distrib": Setting(2, accumulation=ACCUMULATION),
     f"2 workers, K={ACCUMULATION}, TF collective": Setting(2, {"transport": "tf"},
                                                           ACCUMULATION),
-    f"2 workers, K={ACCUMULATION}, tf_distrib": Setting(2, accumulation=ACCUMULATION),
 }
 # The convolutional model: the rows that answer "ahead of DDP on another model".
-CNN_SETTINGS = ("1 worker", "2 workers, no communication (the ceiling)",
-                "2 workers, TF collective", "2 workers, tf_distrib (default: shm)",
+CNN_SETTINGS = ("1 worker", "2 workers, tf_distrib (default: shm)",
+                "2 workers, no communication (the ceiling)", "2 workers, TF collective",
                 "1 worker, plain dataset", "2 workers, plain dataset, tf_distrib")
 
 
@@ -238,34 +242,45 @@ def run(options) -> dict:
 
 
 def _rounds(runs: dict, rounds: int) -> dict:
+    """Every run of `runs` once per round; each row's scaling and overhead against its
+    baseline's run of the same round, and their medians over rounds."""
     measured = {name: [] for name in runs}
     for _ in range(rounds):
         for name, (_, measure) in runs.items():
             measured[name].append(measure())
-    rates = {name: [m["examples_per_sec"] for m in ms] for name, ms in measured.items()}
-    cpu = {name: statistics.median(m["cpu_per_step"] for m in ms)
-           for name, ms in measured.items()}
-    scaling_per_round = {
-        name: [r / one for r, one in zip(rates[name], rates[baseline], strict=True)]
-        for name, (baseline, _) in runs.items()}
-    return {"examples_per_sec": {name: statistics.median(r) for name, r in rates.items()},
-            "scaling": {name: statistics.median(s) for name, s in scaling_per_round.items()},
-            "scaling_per_round": scaling_per_round,
-            "cpu_ms_per_step": {name: c * 1e3 for name, c in cpu.items()},
-            "overhead_ms_per_step": {name: (cpu[name] - cpu[baseline]) * 1e3
-                                     for name, (baseline, _) in runs.items()},
+
+    def per_round(name, baseline, key, combine):
+        return [combine(m[key], one[key])
+                for m, one in zip(measured[name], measured[baseline], strict=True)]
+
+    scaling = {name: per_round(name, baseline, "examples_per_sec", lambda r, one: r / one)
+               for name, (baseline, _) in runs.items()}
+    overhead = {name: per_round(name, baseline, "cpu_per_step",
+                                lambda c, one: (c - one) * 1e3)
+                for name, (baseline, _) in runs.items()}
+    return {"examples_per_sec": {name: statistics.median(m["examples_per_sec"] for m in ms)
+                                 for name, ms in measured.items()},
+            "scaling": {name: statistics.median(s) for name, s in scaling.items()},
+            "scaling_per_round": scaling,
+            "cpu_ms_per_step": {name: statistics.median(m["cpu_per_step"] for m in ms) * 1e3
+                                for name, ms in measured.items()},
+            "overhead_ms_per_step": {name: statistics.median(o) for name, o in overhead.items()},
+            "overhead_ms_per_round": overhead,
             "rounds": rounds}
 
 
 def _print(model: Model, runs: dict, report: dict) -> None:
     print(f"{model.title}, {model.per_worker_batch} examples per worker per step, one core "
           f"and one intra-op thread per worker; medians of {report['rounds']} round(s); "
-          "overhead: CPU ms per step of a worker minus its one-worker row's")
+          "overhead: CPU ms per step of a worker minus its one-worker row's in the same "
+          "round (lowest-highest round)")
     print(f"  {'setting':<48}{'examples/s':>12}{'scaling':>10}{'CPU ms/step':>13}"
-          f"{'overhead':>10}")
+          f"{'overhead':>10}{'rounds':>16}")
     for name in runs:
+        rounds = report["overhead_ms_per_round"][name]
         print(f"  {name:<48}{report['examples_per_sec'][name]:>12.0f}"
               f"{report['scaling'][name]:>9.2f}x{report['cpu_ms_per_step'][name]:>13.2f}"
-              f"{report['overhead_ms_per_step'][name]:>10.2f}")
+              f"{report['overhead_ms_per_step'][name]:>10.2f}"
+              f"{f'{min(rounds):.1f} to {max(rounds):.1f}':>16}")
     print(f"  overhead floor (copy and sum of the gradients' halves, one process): "
           f"{report['all_reduce_floor_ms']:.2f} ms per all-reduce")

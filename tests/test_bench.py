@@ -30,6 +30,31 @@ def test_scaling_and_overhead_pair_each_row_with_its_baseline_of_the_same_round(
     assert report["overhead_ms_per_step"]["1 worker"] == 0
 
 
+def test_in_turns_each_pair_epoch_meets_the_one_worker_epochs_around_it():
+    from tf_distrib.bench.scaling import _compare_turns
+
+    alone = {"examples_per_sec": [0, 100, 300, 200], "cpu_per_step": [0, 0.030, 0.050, 0.040]}
+    pair = [{"examples_per_sec": [0, 360, 500], "cpu_per_step": [0, c, c + 0.002]}
+            for c in (0.042, 0.044)]
+    turns = _compare_turns([*pair, alone], pairs=2, add_rates=False)
+    assert turns["scaling"] == pytest.approx([360 / 200, 500 / 250])
+    assert turns["overhead_ms_per_step"] == pytest.approx([43 - 40, 45 - 45])
+    apart = _compare_turns([*pair, alone], pairs=2, add_rates=True)  # the ceiling: both add
+    assert apart["scaling"] == pytest.approx([720 / 200, 1000 / 250])
+
+
+def test_a_turn_that_never_comes_times_out_naming_what_is_missing(tmp_path):
+    from tf_distrib.bench.scaling import Turns, _wait_for_turn
+
+    turns = Turns(str(tmp_path), pairs=2)
+    _wait_for_turn(turns, index=2, epoch=0)  # the one worker alone starts
+    (tmp_path / "0-0").touch()
+    with pytest.raises(TimeoutError, match=r"worker 2 .* epoch 1: no end of \['0-0', '1-0'\]"):
+        _wait_for_turn(turns, index=2, epoch=1, timeout=0.05)
+    (tmp_path / "1-0").touch()
+    _wait_for_turn(turns, index=2, epoch=1, timeout=0.05)
+
+
 def _rows(model):
     """Rows as `bench cluster` measures them, timed by `model` itself."""
     from tf_distrib.bench import cluster

@@ -31,8 +31,10 @@ came out 1.15x, 1.37x and 1.61x on three days).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import statistics
+import time
 
 PER_WORKER_BATCH = 128  # the MLP's
 ACCUMULATION = 4
@@ -106,8 +108,20 @@ def build(model: str, optimizer=None):
     return mlp((1024, 1024), optimizer=optimizer) if model == "mlp" else cnn(optimizer)
 
 
+@dataclasses.dataclass(frozen=True)
+class Turns:
+    """Three workers that train an epoch at a time in turn: worker 2 alone, then workers
+    0 and 1 as a pair, `pairs` + 1 times (the first pair is the warm-up), and worker 2 once
+    more, so that every measured pair epoch lies between two epochs of one worker alone.
+    Each marks an epoch's end with a file in `directory`."""
+
+    directory: str
+    pairs: int
+
+
 def train_worker(strategy_args: dict | None, accumulation: int | None = None,
-                 model: str = "mlp", data: str = "distribute_dataset") -> dict:
+                 model: str = "mlp", data: str = "distribute_dataset",
+                 turns: Turns | None = None) -> dict:
     """One worker of the job (TF_CONFIG set, or alone), pinned to one core.
 
     Args:
@@ -116,9 +130,12 @@ def train_worker(strategy_args: dict | None, accumulation: int | None = None,
         model: A key of `MODELS`. Defaults to "mlp".
         data: "distribute_dataset" or "plain" (a batched dataset given to `fit`).
             Defaults to "distribute_dataset".
+        turns: Take turns with the others (3 workers: `Turns`). Defaults to None: every
+            worker trains 2 epochs at once and the second is measured.
 
     Returns:
-        {"examples_per_sec": the job's rate, "cpu_per_step": this worker's CPU seconds}.
+        {"examples_per_sec": the job's rate, "cpu_per_step": this worker's CPU seconds};
+        with `turns`, lists of them, an item per epoch.
     """
     index = int(os.environ["TF_DISTRIB_WORKER_INDEX"])
     os.sched_setaffinity(0, {index % os.cpu_count()})
@@ -131,6 +148,15 @@ def train_worker(strategy_args: dict | None, accumulation: int | None = None,
     from tf_distrib.bench import cpu_seconds
 
     workers = int(os.environ["TF_DISTRIB_NUM_WORKERS"])
+    if turns is not None:
+        workers = 2
+        if index == 2:
+            strategy_args = None
+        else:  # the pair's cluster: workers 0 and 1
+            config = json.loads(os.environ["TF_CONFIG"])
+            config["cluster"]["worker"] = config["cluster"]["worker"][:2]
+            os.environ["TF_CONFIG"] = json.dumps(config)
+            os.environ["TF_DISTRIB_NUM_WORKERS"] = "2"
     if strategy_args is None:
         del os.environ["TF_CONFIG"]
         strategy_args, workers = {}, 1
@@ -150,20 +176,46 @@ def train_worker(strategy_args: dict | None, accumulation: int | None = None,
         steps = fit_data.steps_per_epoch
 
     class CpuPerStep(keras.callbacks.Callback):
+        """Each epoch's CPU seconds per step; with `turns`, the epoch starts once the
+        previous turn's workers have marked theirs as done (before `Throughput` starts
+        its clock)."""
+
+        def __init__(self):
+            super().__init__()
+            self.per_step = []
+
         def on_epoch_begin(self, epoch, logs=None):
+            if turns is not None:
+                _wait_for_turn(turns, index, epoch)
             self.start, self.steps = cpu_seconds(), 0
 
         def on_train_batch_end(self, batch, logs=None):
             self.steps += 1
 
         def on_epoch_end(self, epoch, logs=None):
-            self.per_step = (cpu_seconds() - self.start) / self.steps
+            self.per_step.append((cpu_seconds() - self.start) / self.steps)
+            if turns is not None:
+                open(os.path.join(turns.directory, f"{index}-{epoch}"), "w").close()
 
     cpu = CpuPerStep()
-    history = net.fit(fit_data, epochs=2, steps_per_epoch=steps, verbose=0,
-                      callbacks=[td.callbacks.Throughput(global_batch), cpu])
-    return {"examples_per_sec": history.history["examples_per_sec"][-1],
-            "cpu_per_step": cpu.per_step}
+    epochs = 2 if turns is None else turns.pairs + 1 + (index == 2)
+    history = net.fit(fit_data, epochs=epochs, steps_per_epoch=steps, verbose=0,
+                      callbacks=[cpu, td.callbacks.Throughput(global_batch)])
+    rates = history.history["examples_per_sec"]
+    if turns is None:
+        return {"examples_per_sec": rates[-1], "cpu_per_step": cpu.per_step[-1]}
+    return {"examples_per_sec": rates, "cpu_per_step": cpu.per_step}
+
+
+def _wait_for_turn(turns: Turns, index: int, epoch: int, timeout: float = 300) -> None:
+    """Worker 2's epoch e follows the pair's epoch e - 1; the pair's follows worker 2's."""
+    before = [f"2-{epoch}"] if index < 2 else [f"0-{epoch - 1}", f"1-{epoch - 1}"] * (epoch > 0)
+    deadline = time.monotonic() + timeout
+    while not all(os.path.exists(os.path.join(turns.directory, name)) for name in before):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"worker {index} waited {timeout:.0f} s for its turn at epoch "
+                               f"{epoch}: no end of {before} in {turns.directory}")
+        time.sleep(0.005)
 
 
 def all_reduce_floor(nbytes: int, repeats: int = 50) -> float:
@@ -203,6 +255,63 @@ def all_reduce_floor(nbytes: int, repeats: int = 50) -> float:
     return statistics.median(times[5:])
 
 
+# Rows measured in turns (`in_turns`) on the MLP: the settings where the overhead is
+# closest to this VM's noise.
+TURNS = {
+    "2 workers, tf_distrib (default: shm)": Setting(2),
+    "2 workers, plain dataset, tf_distrib": Setting(2, data="plain"),
+    "2 workers, no communication (the ceiling)": Setting(2, None),
+}
+PAIRS = 8
+
+
+def in_turns(setting: Setting, pairs: int = PAIRS) -> dict:
+    """The MLP's `setting` against one worker alone, an epoch each in turn (`Turns`).
+
+    Each of the `pairs` measured epochs of the two workers is compared with the mean of
+    the one-worker epochs just before and after it (a few seconds apart, where the rounds
+    of `run` are minutes apart), so that the VM's changes of speed cancel out.
+
+    Args:
+        setting: A 2-worker `Setting` (its data path and strategy; no accumulation).
+        pairs: Measured epochs of each. Defaults to `PAIRS`.
+
+    Returns:
+        {"scaling": [per pair], "overhead_ms_per_step": [per pair]}.
+    """
+    import tempfile
+
+    from tf_distrib.launch import launch
+
+    with tempfile.TemporaryDirectory() as directory:
+        result = launch(train_worker, 3, args=(setting.strategy, None, "mlp", setting.data,
+                                               Turns(directory, pairs)),
+                        quiet=True, timeout=900)
+    if result.exit_code:
+        raise RuntimeError(result.failure_report())
+    return _compare_turns(result.values, pairs, add_rates=setting.strategy is None)
+
+
+def _compare_turns(values: list, pairs: int, add_rates: bool) -> dict:
+    """`in_turns`' figures from its 3 workers' per-epoch measurements (`train_worker`'s):
+    the pair's epoch e against the mean of worker 2's epochs e and e + 1; `add_rates`:
+    the pair trained apart, its rate is the sum of both."""
+    *pair, alone = values
+
+    def around(key, epoch):
+        return (alone[key][epoch] + alone[key][epoch + 1]) / 2
+
+    def rate(epoch):
+        rates = [w["examples_per_sec"][epoch] for w in pair]
+        return sum(rates) if add_rates else rates[0]
+
+    measured = range(1, pairs + 1)  # the pair's epoch 0 is the warm-up
+    return {"scaling": [rate(e) / around("examples_per_sec", e) for e in measured],
+            "overhead_ms_per_step": [
+                (statistics.mean(w["cpu_per_step"][e] for w in pair)
+                 - around("cpu_per_step", e)) * 1e3 for e in measured]}
+
+
 def run(options) -> dict:
     from tf_distrib.bench import pytorch_ddp
     from tf_distrib.launch import launch
@@ -236,6 +345,10 @@ def run(options) -> dict:
         report[model]["all_reduce_floor_ms"] = all_reduce_floor(
             4 * build(model).count_params()) * 1e3
         _print(MODELS[model], runs, report[model])
+        if model == "mlp":
+            report["mlp_in_turns"] = {name: in_turns(setting, 2 if options.quick else PAIRS)
+                                      for name, setting in TURNS.items()}
+            _print_turns(report["mlp_in_turns"])
     if not pytorch_ddp.available():
         print("  (PyTorch DDP rows: torch is not installed)")
     return report
@@ -284,3 +397,15 @@ def _print(model: Model, runs: dict, report: dict) -> None:
               f"{f'{min(rounds):.1f} to {max(rounds):.1f}':>16}")
     print(f"  overhead floor (copy and sum of the gradients' halves, one process): "
           f"{report['all_reduce_floor_ms']:.2f} ms per all-reduce")
+
+
+def _print_turns(turns: dict) -> None:
+    print("  in turns (one worker alone and the two workers train an epoch each in "
+          "alternation; each 2-worker epoch against the one-worker epochs around it): "
+          "median (lowest to highest) of {} epochs".format(
+              len(next(iter(turns.values()))["scaling"])))
+    for name, measured in turns.items():
+        scaling, overhead = measured["scaling"], measured["overhead_ms_per_step"]
+        print(f"  {name:<48}{'':>12}{statistics.median(scaling):>9.2f}x{'':>13}"
+              f"{statistics.median(overhead):>10.2f}"
+              f"{f'{min(overhead):.1f} to {max(overhead):.1f}':>16}")

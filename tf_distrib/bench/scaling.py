@@ -20,6 +20,10 @@ that overhead on this machine's memory (`all_reduce_floor`): the copy and the su
 each of 2 workers cannot avoid in a shared-memory all-reduce of the model's gradients,
 timed in one process on one core.
 
+On the MLP, tf_distrib's rows and the ceiling are also measured in turns (`in_turns`):
+one worker alone and the two workers train an epoch each in alternation, each 2-worker
+epoch against the one-worker epochs just before and after it, seconds apart.
+
 Every setting runs once per round, in 3 rounds, and the scaling is the median over
 rounds of a setting's rate over the one-worker rate of its own round (the overhead is
 paired the same way): the development VM switches between two speeds (25% apart) every
@@ -209,7 +213,10 @@ def train_worker(strategy_args: dict | None, accumulation: int | None = None,
 
 def _wait_for_turn(turns: Turns, index: int, epoch: int, timeout: float = 300) -> None:
     """Worker 2's epoch e follows the pair's epoch e - 1; the pair's follows worker 2's."""
-    before = [f"2-{epoch}"] if index < 2 else [f"0-{epoch - 1}", f"1-{epoch - 1}"] * (epoch > 0)
+    if index < 2:
+        before = [f"2-{epoch}"]
+    else:
+        before = [f"0-{epoch - 1}", f"1-{epoch - 1}"] if epoch else []
     deadline = time.monotonic() + timeout
     while not all(os.path.exists(os.path.join(turns.directory, name)) for name in before):
         if time.monotonic() > deadline:
@@ -255,8 +262,8 @@ def all_reduce_floor(nbytes: int, repeats: int = 50) -> float:
     return statistics.median(times[5:])
 
 
-# Rows measured in turns (`in_turns`) on the MLP: the settings where the overhead is
-# closest to this VM's noise.
+# Rows measured in turns (`in_turns`) on the MLP: tf_distrib's two data paths, whose
+# overhead the goal is about, and the ceiling to read them against.
 TURNS = {
     "2 workers, tf_distrib (default: shm)": Setting(2),
     "2 workers, plain dataset, tf_distrib": Setting(2, data="plain"),
@@ -386,7 +393,7 @@ def _print(model: Model, runs: dict, report: dict) -> None:
     print(f"{model.title}, {model.per_worker_batch} examples per worker per step, one core "
           f"and one intra-op thread per worker; medians of {report['rounds']} round(s); "
           "overhead: CPU ms per step of a worker minus its one-worker row's in the same "
-          "round (lowest-highest round)")
+          "round (lowest to highest round)")
     print(f"  {'setting':<48}{'examples/s':>12}{'scaling':>10}{'CPU ms/step':>13}"
           f"{'overhead':>10}{'rounds':>16}")
     for name in runs:
@@ -400,10 +407,10 @@ def _print(model: Model, runs: dict, report: dict) -> None:
 
 
 def _print_turns(turns: dict) -> None:
+    pairs = len(next(iter(turns.values()))["scaling"])
     print("  in turns (one worker alone and the two workers train an epoch each in "
           "alternation; each 2-worker epoch against the one-worker epochs around it): "
-          "median (lowest to highest) of {} epochs".format(
-              len(next(iter(turns.values()))["scaling"])))
+          f"median (lowest to highest) of {pairs} epochs")
     for name, measured in turns.items():
         scaling, overhead = measured["scaling"], measured["overhead_ms_per_step"]
         print(f"  {name:<48}{'':>12}{statistics.median(scaling):>9.2f}x{'':>13}"

@@ -36,11 +36,11 @@ def test_in_turns_each_pair_epoch_meets_the_one_worker_epochs_around_it():
     alone = {"examples_per_sec": [0, 100, 300, 200], "cpu_per_step": [0, 0.030, 0.050, 0.040]}
     pair = [{"examples_per_sec": [0, 360, 500], "cpu_per_step": [0, c, c + 0.002]}
             for c in (0.042, 0.044)]
-    turns = _compare_turns([*pair, alone], pairs=2, add_rates=False)
+    turns = _compare_turns([*pair, alone], pairs=2, apart=False)
     assert turns["scaling"] == pytest.approx([360 / 200, 500 / 250])
     assert turns["overhead_ms_per_step"] == pytest.approx([43 - 40, 45 - 45])
-    apart = _compare_turns([*pair, alone], pairs=2, add_rates=True)  # the ceiling: both add
-    assert apart["scaling"] == pytest.approx([720 / 200, 1000 / 250])
+    ceiling = _compare_turns([*pair, alone], pairs=2, apart=True)  # both rates add
+    assert ceiling["scaling"] == pytest.approx([720 / 200, 1000 / 250])
 
 
 def test_a_turn_that_never_comes_times_out_naming_what_is_missing(tmp_path):

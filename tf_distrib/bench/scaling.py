@@ -15,10 +15,10 @@ steps. PyTorch DDP (gloo) on the same layout and architecture, when torch is ins
 
 Each row also prints what a second worker adds to a step: the CPU seconds per step of a
 worker (`getrusage`, all its threads, over the measured epoch) minus those of the one
-worker it is compared to, and its lowest and highest round. Below the rows, the floor of
-that overhead on this machine's memory (`all_reduce_floor`): the copy and the sum that
-each of 2 workers cannot avoid in a shared-memory all-reduce of the model's gradients,
-timed in one process on one core.
+worker it is compared to, with the lowest and highest of its rounds. Below the rows, the
+floor of that overhead on this machine's memory (`all_reduce_floor`): the copy and the
+sum that each of 2 workers cannot avoid in a shared-memory all-reduce of the model's
+gradients, timed in one process on one core.
 
 On the MLP, tf_distrib's rows and the ceiling are also measured in turns (`in_turns`):
 one worker alone and the two workers train an epoch each in alternation, each 2-worker
@@ -288,29 +288,39 @@ def in_turns(setting: Setting, pairs: int = PAIRS) -> dict:
     """
     import tempfile
 
+    with tempfile.TemporaryDirectory() as directory:
+        values = _launch(3, setting.strategy, None, "mlp", setting.data,
+                         Turns(directory, pairs))
+    return _compare_turns(values, pairs, apart=setting.strategy is None)
+
+
+def _launch(workers: int, *args) -> list:
+    """The values `train_worker(*args)` returns on each of `workers` launched workers."""
     from tf_distrib.launch import launch
 
-    with tempfile.TemporaryDirectory() as directory:
-        result = launch(train_worker, 3, args=(setting.strategy, None, "mlp", setting.data,
-                                               Turns(directory, pairs)),
-                        quiet=True, timeout=900)
+    result = launch(train_worker, workers, args=args, quiet=True, timeout=900)
     if result.exit_code:
         raise RuntimeError(result.failure_report())
-    return _compare_turns(result.values, pairs, add_rates=setting.strategy is None)
+    return result.values
 
 
-def _compare_turns(values: list, pairs: int, add_rates: bool) -> dict:
+def _job_rate(rates: list, apart: bool) -> float:
+    """The job's examples/s from its workers' (each measures the job's; workers that
+    train `apart` add theirs)."""
+    return sum(rates) if apart else rates[0]
+
+
+def _compare_turns(values: list, pairs: int, apart: bool) -> dict:
     """`in_turns`' figures from its 3 workers' per-epoch measurements (`train_worker`'s):
-    the pair's epoch e against the mean of worker 2's epochs e and e + 1; `add_rates`:
-    the pair trained apart, its rate is the sum of both."""
+    the pair's epoch e against the mean of worker 2's epochs e and e + 1; `apart`: the
+    pair trained without communicating (`_job_rate`)."""
     *pair, alone = values
 
     def around(key, epoch):
         return (alone[key][epoch] + alone[key][epoch + 1]) / 2
 
     def rate(epoch):
-        rates = [w["examples_per_sec"][epoch] for w in pair]
-        return sum(rates) if add_rates else rates[0]
+        return _job_rate([w["examples_per_sec"][epoch] for w in pair], apart)
 
     measured = range(1, pairs + 1)  # the pair's epoch 0 is the warm-up
     return {"scaling": [rate(e) / around("examples_per_sec", e) for e in measured],
@@ -321,17 +331,13 @@ def _compare_turns(values: list, pairs: int, add_rates: bool) -> dict:
 
 def run(options) -> dict:
     from tf_distrib.bench import pytorch_ddp
-    from tf_distrib.launch import launch
 
     def tf_run(model, setting):
-        result = launch(train_worker, setting.workers,
-                        args=(setting.strategy, setting.accumulation, model, setting.data),
-                        quiet=True, timeout=900)
-        if result.exit_code:
-            raise RuntimeError(result.failure_report())
-        rates = [v["examples_per_sec"] for v in result.values]
-        return {"examples_per_sec": sum(rates) if setting.strategy is None else rates[0],
-                "cpu_per_step": statistics.mean(v["cpu_per_step"] for v in result.values)}
+        values = _launch(setting.workers, setting.strategy, setting.accumulation, model,
+                         setting.data)
+        return {"examples_per_sec": _job_rate([v["examples_per_sec"] for v in values],
+                                              apart=setting.strategy is None),
+                "cpu_per_step": statistics.mean(v["cpu_per_step"] for v in values)}
 
     report = {}
     for model in MODELS:
@@ -401,7 +407,7 @@ def _print(model: Model, runs: dict, report: dict) -> None:
         print(f"  {name:<48}{report['examples_per_sec'][name]:>12.0f}"
               f"{report['scaling'][name]:>9.2f}x{report['cpu_ms_per_step'][name]:>13.2f}"
               f"{report['overhead_ms_per_step'][name]:>10.2f}"
-              f"{f'{min(rounds):.1f} to {max(rounds):.1f}':>16}")
+              f"{_spread(rounds):>16}")
     print(f"  overhead floor (copy and sum of the gradients' halves, one process): "
           f"{report['all_reduce_floor_ms']:.2f} ms per all-reduce")
 
@@ -415,4 +421,8 @@ def _print_turns(turns: dict) -> None:
         scaling, overhead = measured["scaling"], measured["overhead_ms_per_step"]
         print(f"  {name:<48}{'':>12}{statistics.median(scaling):>9.2f}x{'':>13}"
               f"{statistics.median(overhead):>10.2f}"
-              f"{f'{min(overhead):.1f} to {max(overhead):.1f}':>16}")
+              f"{_spread(overhead):>16}")
+
+
+def _spread(values: list) -> str:
+    return f"{min(values):.1f} to {max(values):.1f}"

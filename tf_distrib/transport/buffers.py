@@ -65,10 +65,11 @@ class Layout:
             raise ValueError(f"A bucket holds one dtype, got {dtypes}.")
         step = max(1, ALIGN // self.dtype.itemsize)
         self.shapes = [a.shape for a in arrays]
+        self.sizes = [a.size for a in arrays]
         self.starts, end = [], 0
-        for a in arrays:
+        for size in self.sizes:
             self.starts.append(end)
-            end += -(-a.size // step) * step
+            end += -(-size // step) * step
         self.size = end
         self.nbytes = end * self.dtype.itemsize
 
@@ -99,8 +100,8 @@ class Layout:
 
     def views(self, flat: np.ndarray) -> list[np.ndarray]:
         """The arrays, shaped as given, as views of `flat` (the reduced layout)."""
-        return [flat[s:s + int(np.prod(shape))].reshape(shape)
-                for s, shape in zip(self.starts, self.shapes, strict=True)]
+        return [flat[s:s + n].reshape(shape)
+                for s, n, shape in zip(self.starts, self.sizes, self.shapes, strict=True)]
 
 
 class BufferPool:

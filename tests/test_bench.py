@@ -90,6 +90,22 @@ def test_the_cost_model_says_when_it_has_no_fit():
         cluster.calibrate(rows, cores=2)
 
 
+def test_a_cluster_run_whose_rows_fit_no_model_goes_on_without_predictions(capsys):
+    from tf_distrib.bench import cluster
+
+    truth = {"a": cluster.ROUND_SECONDS, "e": 0.95, "c": 5e-10, "d": 2e-9, "s": 1e-9}
+    rows = _rows(truth)
+    assert cluster._model(rows, cores=2) is not None
+    assert all("predicted_seconds" in row for row in rows)
+
+    rows = _rows({"a": cluster.ROUND_SECONDS, "e": 1.0, "c": 0.0, "d": 0.0, "s": 0.0})
+    for row in rows:
+        row["seconds"] *= 0.5
+    assert cluster._model(rows, cores=2) is None
+    assert "cost model: not fitted" in capsys.readouterr().out
+    assert not any("predicted_seconds" in row for row in rows)
+
+
 def test_a_benchmark_s_temporary_files_are_removed_after_it(tmp_path, monkeypatch):
     import json
     import os

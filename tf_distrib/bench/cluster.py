@@ -292,11 +292,11 @@ def run(options) -> dict:
     if projection:
         print("projected scaling efficiency (compute / step), workers: "
               + " ".join(f"{n:>6}" for n in PROJECTED_WORKERS))
-    for p in projection:
-        cells = " ".join(f"{p['efficiency'][n]:6.0%}" if n in p["efficiency"] else f"{'-':>6}"
-                         for n in PROJECTED_WORKERS)
-        print(f"  {p['model']:<9} {p['link']:<10} {p['scheme']:<12} {p['dtype']:<8} "
-              f"K={p['K']}: {cells}")
+        for p in projection:
+            cells = " ".join(f"{p['efficiency'][n]:6.0%}" if n in p["efficiency"]
+                             else f"{'-':>6}" for n in PROJECTED_WORKERS)
+            print(f"  {p['model']:<9} {p['link']:<10} {p['scheme']:<12} {p['dtype']:<8} "
+                  f"K={p['K']}: {cells}")
     return {"gradient_floats": GRADIENT_FLOATS, "repeats": REPEATS, "rows": rows,
             "model": model, "projection": projection, "fit": fit_rows}
 

@@ -123,3 +123,28 @@ def test_a_benchmark_s_temporary_files_are_removed_after_it(tmp_path, monkeypatc
         assert os.path.dirname(path) == made["TMPDIR"] != before[1]
         assert not os.path.exists(path)
     assert (os.environ.get("TMPDIR"), tempfile.gettempdir()) == before
+
+
+def _measure_then_exit(abort: str):
+    """A benchmark process that returns its measurement, aborting after (`abort` "after")
+    or before it returns (`abort` "before") when it is worker 1."""
+    import atexit
+    import os
+
+    if os.environ["TF_DISTRIB_WORKER_INDEX"] == "1":
+        if abort == "before":
+            os.abort()
+        atexit.register(os.abort)  # as a gloo process does at exit, after it measured
+    return {"examples_per_sec": 100.0, "cpu_per_step": 0.01}
+
+
+def test_a_peer_run_whose_process_aborts_after_measuring_keeps_its_measurement():
+    from tf_distrib.bench.pytorch_ddp import measured
+    from tf_distrib.launch import launch
+
+    after = launch(_measure_then_exit, 2, args=("after",), quiet=True, timeout=120)
+    assert after.exit_code != 0  # worker 1 died of SIGABRT at exit
+    assert measured(after) == [{"examples_per_sec": 100.0, "cpu_per_step": 0.01}] * 2
+    before = launch(_measure_then_exit, 2, args=("before",), quiet=True, timeout=120)
+    assert before.exit_code != 0
+    assert measured(before) is None

@@ -130,8 +130,10 @@ def _measure_then_exit(abort: str):
     or before it returns (`abort` "before") when it is worker 1."""
     import atexit
     import os
+    import resource
 
     if os.environ["TF_DISTRIB_WORKER_INDEX"] == "1":
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file where tests run
         if abort == "before":
             os.abort()
         atexit.register(os.abort)  # as a gloo process does at exit, after it measured

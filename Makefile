@@ -17,6 +17,9 @@ $(INSTALLED): setup.cfg pyproject.toml constraints.txt
 	$(PY) -m pip uninstall --quiet --yes tensorflow-cpu 2>/dev/null || true
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt \
 		-e '.[dev,ray,docs]'
+	# The native all-reduce op, compiled now rather than in the first job (it warns, and
+	# the transport keeps its Python path, where there is no C++ compiler).
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -c 'from tf_distrib.transport import native_sum; native_sum.library()'
 	touch $@
 
 venv: $(INSTALLED)

@@ -5,6 +5,7 @@ import pytest
 
 from tf_distrib.demo import train
 from tf_distrib.testing import WorkersFailed, run_workers
+from tf_distrib.transport import native_sum
 
 pytestmark = pytest.mark.multiprocess
 
@@ -29,7 +30,8 @@ def train_and_count_sums_left_in_shared_memory(*args):
 
     summary = train(*args)
     [transport] = [o for o in gc.get_objects() if isinstance(o, Transport)]
-    return {**summary, "in_place": transport.stats.in_place}
+    return {**summary, "in_place": transport.stats.in_place,
+            "native": transport.native is not None, "collectives": transport.stats.collectives}
 
 
 def test_two_workers_match_mirrored_on_two_logical_cpus():
@@ -41,8 +43,12 @@ def test_two_workers_match_mirrored_on_two_logical_cpus():
     assert (a["workers"], a["replicas"]) == (2, 2)
     assert (ref["workers"], ref["replicas"]) == (1, 2)
     assert a["loss"] == b["loss"]
-    # The gradients' sums stayed in shared memory (`tf_distrib.transport.shared_memory`).
-    assert a["in_place"] == b["in_place"] > 0
+    # The transport carried the gradients: through the native op where it is built
+    # (`tf_distrib.transport.native_sum`), else reduce-scattered in place in shared memory.
+    assert a["collectives"] == b["collectives"] > 0
+    assert a["native"] == b["native"] == (native_sum.enabled()
+                                             and native_sum.compiler() is not None)
+    assert a["native"] or a["in_place"] == b["in_place"] > 0
     np.testing.assert_allclose(a["loss"], ref["loss"], rtol=1e-5)
     for wa, wb, wr in zip(a["weights"], b["weights"], ref["weights"], strict=True):
         np.testing.assert_array_equal(wa, wb)

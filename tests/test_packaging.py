@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import zipfile
 
 import pytest
 
@@ -42,6 +43,18 @@ def test_installing_next_to_tensorflow_adds_nothing_but_tf_distrib(tmp_path):
     installed = [re.sub(r"[-_.]+", "-", item["metadata"]["name"]).lower()
                  for item in json.loads(report.read_text())["install"]]
     assert installed == ["tf-distrib"]
+
+
+@pytest.mark.multiprocess
+def test_the_wheel_ships_the_native_ops_source(tmp_path):
+    # Built on first use against the user's TensorFlow (tf_distrib/transport/native_sum.py).
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-index",
+                           "--no-build-isolation", "--quiet", "-w", str(tmp_path), str(ROOT)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    [wheel] = tmp_path.glob("tf_distrib-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        assert "tf_distrib/transport/native_sum.cc" in z.namelist()
 
 
 def test_constraints_pin_what_ci_runs():

@@ -24,12 +24,14 @@ import os
 import queue
 import secrets
 import socket
+import sys
 import threading
 import time
 
 import numpy as np
 
 from tf_distrib import failure_report, phases
+from tf_distrib.transport import native_sum
 from tf_distrib.transport.buffers import BufferPool, Layout
 from tf_distrib.transport.errors import PeerLostError, TransportError
 from tf_distrib.transport.mesh import Mesh, SubMesh, TransportUnavailable
@@ -145,8 +147,11 @@ class Transport:
         self._lock = threading.Lock()
         self._recorder: collections.deque[dict] = collections.deque(maxlen=RECORDED)
         self._started: dict[int, _Job] = {}
-        self.stats = Stats()
+        self._stats = Stats()
         self.failure: TransportError | None = None
+        #: The native op bound to the segment (`native_sum.NativeSum`; `connect` binds it
+        #: when every worker can load it), or None.
+        self.native = None
         self._jobs: queue.SimpleQueue | None = None
         self._thread: threading.Thread | None = None
         if self.overlaps:
@@ -162,6 +167,13 @@ class Transport:
     @property
     def world(self) -> int:
         return len(self.mesh.peers)
+
+    @property
+    def stats(self) -> Stats:
+        """What this transport has done, the native op's collectives included."""
+        if self.native is not None:
+            self.native.fold_stats(self._stats)
+        return self._stats
 
     @property
     def in_place_bytes(self) -> int | None:
@@ -219,7 +231,7 @@ class Transport:
                 job.out = self._results.take(layout.nbytes, layout.dtype)
                 layout.gather(arrays, 0, layout.size, job.out)
                 self._jobs.put(job)
-        self.stats.seconds += time.perf_counter() - began
+        self._stats.seconds += time.perf_counter() - began
         return seq
 
     def finish(self, seq: int) -> list[np.ndarray]:
@@ -240,7 +252,7 @@ class Transport:
         while not job.done.wait(_FINISH_CHECK_SECONDS):
             if self._thread is None or not self._thread.is_alive():
                 raise TransportError("the transport's collective thread is gone (closed?).")
-        self.stats.seconds += time.perf_counter() - began
+        self._stats.seconds += time.perf_counter() - began
         if job.error is not None:
             raise job.error
         return job.layout.views(job.out)
@@ -261,7 +273,7 @@ class Transport:
                     across is not None or shm.fits_in_place(layout)):
                 job.out, in_place = shm.all_reduce_scattered(
                     job.seq, layout, arrays, self._results.take, across, self._scratch.take)
-                self.stats.in_place += in_place
+                self._stats.in_place += in_place
             elif across is not None:
                 self._hierarchical_all_reduce(job.seq, layout, arrays, job.out)
             elif shm is not None:
@@ -277,11 +289,11 @@ class Transport:
             job.error = e
         else:
             job.record["ended"] = time.time()
-            if self.stats.collectives == 0:
+            if self._stats.collectives == 0:
                 # Every peer took part in a collective: start-up is over.
                 phases.enter(phases.TRAINING)
-            self.stats.collectives += 1
-            self.stats.bytes += layout.nbytes
+            self._stats.collectives += 1
+            self._stats.bytes += layout.nbytes
         finally:
             job.done.set()
 
@@ -305,7 +317,9 @@ class Transport:
 
     def waiting_for(self) -> list[str]:
         """The peers this worker is waiting for right now, inside a collective."""
-        return [str(c.peer) for c in self.mesh.connections.values() if c.waiting]
+        native = self.native.waiting_for() if self.native is not None else None
+        return [str(c.peer) for r, c in self.mesh.connections.items()
+                if c.waiting or r == native]
 
     def _stop(self, error: TransportError) -> None:
         """Remembers `error` and tells every peer, so that each fails fast, naming the cause."""
@@ -324,6 +338,8 @@ class Transport:
 
     def close(self) -> None:
         """Says goodbye to every peer and releases the connections and the segment."""
+        if self.native is not None:
+            self.native.close()
         if self._jobs is not None:
             self._jobs.put(None)
             self._thread.join(_CLOSE_SECONDS)
@@ -379,7 +395,23 @@ def connect(rank: int, tasks: list[str], host: str, store: Store, *,
         mesh.close()
         raise TransportError(f"transport='shm' is not possible here: {why}. Use 'auto' or "
                              "'tcp'.")
-    return Transport(mesh, segment, hosts)
+    transport = Transport(mesh, segment, hosts)
+    if transport.mode == "shm" and transport.in_place_bytes is not None:
+        _bind_native(transport, segment, store, prefix, timeout)
+    return transport
+
+
+def _bind_native(transport: Transport, segment: SharedSegment, store: Store, prefix: str,
+                 timeout: float) -> None:
+    """Gives `transport` the native op if every worker can load it (they all agree).
+
+    Only where TensorFlow is imported already: the op serves TensorFlow's graphs.
+    """
+    library = (native_sum.library() if native_sum.enabled() and "tensorflow" in sys.modules
+               else None)
+    store.set(f"{prefix}/native/{transport.rank}", "1" if library is not None else "0")
+    if all(store.get(f"{prefix}/native/{r}", timeout) == "1" for r in range(transport.world)):
+        transport.native = native_sum.NativeSum(transport, segment, library)
 
 
 def _by_host(mesh: Mesh) -> dict[str, list[int]]:

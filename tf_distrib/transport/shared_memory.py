@@ -54,21 +54,22 @@ from tf_distrib.transport.ring import ring_all_reduce
 
 _MAGIC = b"tf_distrib shm 2"  # 2: result regions after the slots
 SEGMENT_PREFIX = "tf_distrib-"  # the segments' file names in /dev/shm
-_HEADER_BYTES = 4096
+HEADER_BYTES = 4096
 # In the header, one 64-byte line per rank (no false sharing): the number of chunks the
 # rank has written, the (bytes, dtype) it sums in each slot generation, the number of
 # chunks it has summed its part of, and the result regions it still holds (a bit mask).
-_COUNTERS_OFFSET, _LINE_BYTES = 1024, 64
-_WRITTEN, _SUMMED, _HELD = 0, 5, 6
+# native_sum.cc reads and writes them too (the offsets reach it from native_sum.py).
+COUNTERS_OFFSET, LINE_BYTES = 1024, 64
+WRITTEN, SUMMED, _HELD = 0, 5, 6
 # Result regions of one slot each: results of 4 buckets at a time stay in shared memory.
 RESULT_REGIONS = 4
 # Smaller buckets are summed in full by every worker: Keras keeps the logged values (at
 # most 64 elements each) across steps, which would hold a region.
 MIN_IN_PLACE_BYTES = 4096
-MAX_POLLED_WORLD = (_HEADER_BYTES - _COUNTERS_OFFSET) // _LINE_BYTES
+MAX_POLLED_WORLD = (HEADER_BYTES - COUNTERS_OFFSET) // LINE_BYTES
 _ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64")
 # Polling: spin, then yield the core, then sleep; a peer's liveness is checked this often.
-_SPIN_SECONDS, _YIELD_SECONDS, _SLEEP_SECONDS, _CHECK_SECONDS = 2e-5, 2e-3, 1e-4, 0.05
+_SPIN_SECONDS, _YIELD_SECONDS, _SLEEP_SECONDS, CHECK_SECONDS = 2e-5, 2e-3, 1e-4, 0.05
 # Each chunk costs one READY round (~0.1 ms): 16 MiB slots where there is room, but
 # never more than a quarter of the free space (Docker's /dev/shm is 64 MB).
 MAX_CHUNK_BYTES = 16 << 20
@@ -109,7 +110,7 @@ class SharedSegment:
         """
         token = secrets.token_hex(16)
         path = os.path.join(directory, f"{SEGMENT_PREFIX}{secrets.token_hex(8)}")
-        size = _HEADER_BYTES + _slots(world) * chunk_bytes
+        size = HEADER_BYTES + _slots(world) * chunk_bytes
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             # Reserve every page now: writing to a tmpfs page that does not fit
@@ -121,8 +122,8 @@ class SharedSegment:
             raise
         finally:
             os.close(fd)
-        mapping[:_HEADER_BYTES] = (_MAGIC + token.encode() + struct.pack("!Q", chunk_bytes)
-                                   ).ljust(_HEADER_BYTES, b"\0")
+        mapping[:HEADER_BYTES] = (_MAGIC + token.encode() + struct.pack("!Q", chunk_bytes)
+                                   ).ljust(HEADER_BYTES, b"\0")
         return cls(path, mapping, world, chunk_bytes), token
 
     @classmethod
@@ -136,7 +137,7 @@ class SharedSegment:
         signature = _MAGIC + token.encode()
         (chunk_bytes,) = struct.unpack_from("!Q", mapping, len(signature))
         if (mapping[:len(signature)] != signature
-                or len(mapping) != _HEADER_BYTES + _slots(world) * chunk_bytes):
+                or len(mapping) != HEADER_BYTES + _slots(world) * chunk_bytes):
             mapping.close()
             raise OSError(f"{path} is not this job's segment")
         return cls(path, mapping, world, chunk_bytes)
@@ -149,18 +150,22 @@ class SharedSegment:
             pass
 
     def slot(self, generation: int, rank: int, dtype: np.dtype, count: int) -> np.ndarray:
-        offset = _HEADER_BYTES + (generation * self.world + rank) * self.chunk_bytes
+        offset = HEADER_BYTES + (generation * self.world + rank) * self.chunk_bytes
         return np.frombuffer(self._map, dtype, count, offset)
 
     def regions(self, first: int, count: int) -> np.ndarray:
         """Result regions `first` to `first + count - 1` as bytes, consecutive in the segment."""
-        offset = _HEADER_BYTES + (2 * self.world + first) * self.chunk_bytes
+        offset = HEADER_BYTES + (2 * self.world + first) * self.chunk_bytes
         return np.frombuffer(self._map, np.uint8, count * self.chunk_bytes, offset)
+
+    def array(self) -> np.ndarray:
+        """The whole segment as bytes; while it exists, `close` leaves the mapping in place."""
+        return np.frombuffer(self._map, np.uint8)
 
     def line(self, rank: int) -> np.ndarray:
         """Rank's control line: [chunks written, gen 0 bytes, gen 0 dtype, gen 1 bytes,
         gen 1 dtype, chunks summed, regions held]."""
-        return np.frombuffer(self._map, np.int64, 7, _COUNTERS_OFFSET + rank * _LINE_BYTES)
+        return np.frombuffer(self._map, np.int64, 7, COUNTERS_OFFSET + rank * LINE_BYTES)
 
     def close(self) -> None:
         try:
@@ -247,10 +252,10 @@ class SharedMemoryReducer:
                 ring_all_reduce(across, seq, target[low:high], scratch(
                     ((high - low) // len(across.peers) + 1) * layout.dtype.itemsize,
                     layout.dtype))
-            self._lines[rank][_SUMMED] = self._chunks
+            self._lines[rank][SUMMED] = self._chunks
             for r, connection in self.mesh.connections.items():
-                if self._lines[r][_SUMMED] < self._chunks:
-                    self._poll(self._lines[r], connection, _SUMMED)
+                if self._lines[r][SUMMED] < self._chunks:
+                    self._poll(self._lines[r], connection, SUMMED)
             if not in_place:
                 for r, slot in enumerate(slots):
                     out[start + bounds[r]:start + bounds[r + 1]] = slot[bounds[r]:bounds[r + 1]]
@@ -272,13 +277,22 @@ class SharedMemoryReducer:
         step = max(1, ALIGN // layout.dtype.itemsize)
         bounds = [min(size, -(-size * r // world // step) * step) for r in range(world + 1)]
         low, high = bounds[rank], bounds[rank + 1]
-        generation = self._chunks % 2
-        self._chunks += 1
+        generation = self._next_generation()
         slots = [self.segment.slot(generation, r, layout.dtype, size) for r in range(world)]
         layout.gather(arrays, start, start + low, slots[rank][:low])
         layout.gather(arrays, start + high, stop, slots[rank][high:])
         self._announce_and_poll(seq, generation, layout, held)
         return bounds, slots
+
+    def _next_generation(self) -> int:
+        """Counts a chunk and returns its slot generation. Polled, the count is read back
+        from this worker's line: the native op (`native_sum`) counts its chunks there too.
+        """
+        if self._polled:
+            self._chunks = int(self._lines[self.mesh.rank][WRITTEN])
+        generation = self._chunks % 2
+        self._chunks += 1
+        return generation
 
     def _sum_part(self, layout, arrays, slots, start, low, high, result) -> None:
         """result[low:high] = the sum over workers, in rank order, of that part of the
@@ -317,8 +331,7 @@ class SharedMemoryReducer:
         connections = list(self.mesh.connections.values())
         for part, start in enumerate(range(0, layout.size, per_chunk)):
             stop = min(layout.size, start + per_chunk)
-            generation = self._chunks % 2
-            self._chunks += 1
+            generation = self._next_generation()
             slots = [self.segment.slot(generation, r, layout.dtype, stop - start)
                      for r in range(self.segment.world)]
             layout.gather(arrays, start, stop, slots[self.mesh.rank])
@@ -339,8 +352,7 @@ class SharedMemoryReducer:
         first_part = -(-layout.size // per_chunk)
         for part, start in enumerate(range(0, layout.size, per_chunk), first_part):
             stop = min(layout.size, start + per_chunk)
-            generation = self._chunks % 2
-            self._chunks += 1
+            generation = self._next_generation()
             slots = [self.segment.slot(generation, r, layout.dtype, stop - start)
                      for r in range(self.segment.world)]
             parts = [(max(bounds[r], start), min(bounds[r + 1], stop))
@@ -374,19 +386,19 @@ class SharedMemoryReducer:
     def _publish(self, layout, held: int) -> tuple[int, int]:
         """Writes this worker's signature for the current chunk and the regions it holds,
         then its chunk count."""
-        mine = (layout.nbytes, int.from_bytes(_dtype_name(layout.dtype), "little"))
+        mine = (layout.nbytes, dtype_code(layout.dtype))
         line, field = self._lines[self.mesh.rank], 1 + 2 * ((self._chunks - 1) % 2)
         line[field:field + 2] = mine
         line[_HELD] = held
-        line[_WRITTEN] = self._chunks  # after the slot and the rest: x86-64 keeps this order
+        line[WRITTEN] = self._chunks  # after the slot and the rest: x86-64 keeps this order
         return mine
 
     def _announce_and_poll(self, seq, generation, layout, held: int = 0) -> None:
         mine = self._publish(layout, held)
         for rank, connection in self.mesh.connections.items():
             theirs = self._lines[rank]
-            if theirs[_WRITTEN] < self._chunks:
-                self._poll(theirs, connection, _WRITTEN)
+            if theirs[WRITTEN] < self._chunks:
+                self._poll(theirs, connection, WRITTEN)
             size, dtype = (int(v) for v in theirs[1 + 2 * generation:3 + 2 * generation])
             if (size, dtype) != mine:
                 _mismatch(connection, seq, (size, dtype.to_bytes(8, "little").rstrip(b"\0")
@@ -400,7 +412,7 @@ class SharedMemoryReducer:
         try:
             while line[field] < self._chunks:
                 now = time.perf_counter()
-                if now - checked > _CHECK_SECONDS:
+                if now - checked > CHECK_SECONDS:
                     connection.check_alive()
                     checked = now
                 if now - start > _YIELD_SECONDS:
@@ -409,6 +421,11 @@ class SharedMemoryReducer:
                     os.sched_yield()
         finally:
             connection.waiting = False
+
+
+def dtype_code(dtype: np.dtype) -> int:
+    """`dtype` as the counters' lines publish it (its name's first 8 bytes, an int64)."""
+    return int.from_bytes(_dtype_name(dtype), "little")
 
 
 @functools.cache

@@ -1,0 +1,179 @@
+"""The native all-reduce op (tf_distrib/transport/native_sum.cc) in real worker processes."""
+
+import hashlib
+import os
+import warnings
+
+import numpy as np
+import pytest
+
+from tf_distrib import transport
+from tf_distrib.launch import launch
+from tf_distrib.testing import run_workers
+from tf_distrib.transport import native_sum
+
+pytestmark = pytest.mark.multiprocess
+needs_compiler = pytest.mark.skipif(native_sum.compiler() is None,
+                                    reason="needs a C++ compiler (c++, or $CXX) for the op")
+
+
+def _connect(directory, **kwargs):
+    import tensorflow  # noqa: F401  (the op serves TensorFlow: bound only once it is loaded)
+
+    rank = int(os.environ["TF_DISTRIB_WORKER_INDEX"])
+    world = int(os.environ["TF_DISTRIB_NUM_WORKERS"])
+    return transport.connect(rank, [f"worker:{r}" for r in range(world)], "127.0.0.1",
+                             transport.FileStore(directory), secret=b"s", timeout=60,
+                             **kwargs)
+
+
+def _addends(rank, sizes):
+    rng = np.random.default_rng(rank)
+    return [(rng.standard_normal(n) * 4).astype(np.float32) for n in sizes]
+
+
+def sum_both_ways(directory):
+    """Each layout summed by the op and by the Python path, alternately (they share the
+    segment's counters); the sums come back as digests, with one exactness check each."""
+    import tensorflow as tf
+
+    from tf_distrib.transport import graph_op
+
+    t = _connect(directory)
+    rank, world = t.rank, t.world
+    slot = t.in_place_bytes // 4
+    # One element up; sizes no worker count divides; a layout of two slot-sized chunks.
+    layouts = [[1], [7, 1000], [65_537, 3, 250_000], [slot + 17]]
+    report = {"native": t.native is not None, "digests": [], "equal": [], "exact": []}
+    for sizes in layouts:
+        mine = _addends(rank, sizes)
+        native = [np.asarray(s) for s in graph_op.all_reduce(t, mine)]
+        python = [np.array(s) for s in t.all_reduce(mine)]
+        again = [np.asarray(s) for s in graph_op.all_reduce(t, mine)]
+        report["equal"].append(all(np.array_equal(a, b) and np.array_equal(a, c)
+                                   for a, b, c in zip(native, python, again, strict=True)))
+        reference = [sum(_addends(r, sizes)[k].astype(np.float64) for r in range(world))
+                     for k in range(len(sizes))]
+        report["exact"].append(all(np.allclose(s, r, rtol=1e-5, atol=1e-4)
+                                   for s, r in zip(native, reference, strict=True)))
+        report["digests"].append(hashlib.sha256(b"".join(s.tobytes() for s in native))
+                                 .hexdigest())
+    report["collectives"] = t.stats.collectives
+    t.close()
+    try:  # a step traced before the transport closed fails, and touches nothing
+        graph_op.all_reduce(t, mine)
+    except tf.errors.UnknownError as e:
+        report["after_close"] = e.message
+    return report
+
+
+@needs_compiler
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_op_sums_bitwise_as_the_python_path_on_every_worker(tmp_path, world):
+    workers = run_workers(sum_both_ways, world, args=(str(tmp_path),), startup_timeout=None,
+                          quiet=True, timeout=180)
+    for w in workers:
+        assert w.value["native"]
+        assert w.value["equal"] == [True] * 4
+        assert w.value["exact"] == [True] * 4
+        assert w.value["collectives"] == 3 * 4  # the op's collectives are counted too
+        assert ("tf_distrib.transport.errors.TransportError: the transport is closed."
+                in w.value["after_close"])
+    assert len({tuple(w.value["digests"]) for w in workers}) == 1
+
+
+def lose_a_peer_in_the_op(directory, how):
+    """Worker 1 dies (SIGKILL) or freezes (SIGSTOP) while the others wait in the op."""
+    import contextlib
+    import signal
+    import time
+
+    import tensorflow as tf
+
+    from tf_distrib.transport import graph_op
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # let the survivors report
+    t = _connect(directory, peer_timeout=3.0)
+    data = [np.ones(100_000, np.float32)]
+    graph_op.all_reduce(t, data)
+    if t.rank == 1:
+        with open(os.path.join(directory, "pid"), "w") as f:
+            f.write(str(os.getpid()))
+        os.kill(os.getpid(), getattr(signal, how))
+    start = time.monotonic()
+    try:
+        graph_op.all_reduce(t, data)
+    except tf.errors.UnknownError as e:
+        lost = {"seconds": time.monotonic() - start, "error": e.message,
+                "failure": str(t.failure)}
+    if t.rank == 0:
+        time.sleep(1.0)  # the other survivor notices by itself, or is told
+        with open(os.path.join(directory, "pid")) as f, contextlib.suppress(ProcessLookupError):
+            os.kill(int(f.read()), signal.SIGKILL)
+    return lost
+
+
+@needs_compiler
+@pytest.mark.parametrize("how, limit", [("SIGKILL", 2.0), ("SIGSTOP", 3.0 + 2.5)])
+def test_a_lost_peer_fails_the_op_in_bounded_time_naming_it(tmp_path, how, limit):
+    result = launch(lose_a_peer_in_the_op, 3, args=(str(tmp_path), how),
+                    startup_timeout=None, quiet=True, timeout=90, grace_period=30)
+    assert result.exit_codes == [[0, -9, 0]]
+    for survivor in (result.workers[0], result.workers[2]):
+        lost = survivor.value
+        assert lost["seconds"] < limit, lost
+        # The transport's own error, in the op's: the console and the launcher read it.
+        assert "PeerLostError: worker:1 (127.0.0.1:" in lost["error"], lost
+        assert lost["failure"] in lost["error"], lost
+        if how == "SIGSTOP":
+            assert "sent nothing for" in lost["error"]
+
+
+def sum_different_sizes(directory):
+    from tf_distrib.transport import graph_op
+
+    t = _connect(directory)
+    graph_op.all_reduce(t, [np.ones(3, np.float32)])
+    try:
+        graph_op.all_reduce(t, [np.ones(40 if t.rank else 4, np.float32)])
+    except Exception as e:  # noqa: BLE001  (the test reads the message)
+        return f"{type(e).__name__}: {e}"
+    finally:
+        t.close()
+
+
+@needs_compiler
+def test_workers_that_sum_different_layouts_fail_instead_of_summing(tmp_path):
+    messages = [w.value for w in run_workers(sum_different_sizes, 2, args=(str(tmp_path),),
+                                             startup_timeout=None, quiet=True, timeout=60)]
+    assert all("ProtocolError: worker " in m and "runs a different collective" in m
+               for m in messages), messages
+
+
+def connect_and_sum(directory):
+    from tf_distrib.transport import graph_op
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t = _connect(directory)
+    try:
+        [total] = graph_op.all_reduce(t, [np.full(1000, t.rank + 1.0, np.float32)])
+        return {"native": t.native is not None, "total": float(np.asarray(total)[0]),
+                "warnings": [str(w.message) for w in caught]}
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("env, warns", [({"CXX": "false"}, True),
+                                        ({"TF_DISTRIB_NATIVE_SUM": "0"}, False)],
+                         ids=["no-compiler", "switched-off"])
+def test_without_the_op_every_worker_keeps_the_python_path(tmp_path, env, warns):
+    env = {**env, "XDG_CACHE_HOME": str(tmp_path / "cache")}  # nothing built there yet
+    workers = run_workers(connect_and_sum, 2, args=(str(tmp_path),), env=env,
+                          startup_timeout=None, quiet=True, timeout=120)
+    for w in workers:
+        assert w.value["native"] is False and w.value["total"] == 3.0
+        named = [m for m in w.value["warnings"] if "native all-reduce op could not be built" in m]
+        assert bool(named) == warns, w.value["warnings"]
+        if warns:
+            assert "false exited with" in named[0] and "Install a C++ compiler" in named[0]

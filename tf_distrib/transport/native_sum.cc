@@ -1,0 +1,259 @@
+// TfDistribSharedSum: the same-host reduce-scatter of shared_memory.py as a TensorFlow op.
+//
+// It follows the Python reducer's protocol on the same segment and counters, step for
+// step as its path that sums into the slots (`all_reduce_scattered` when the result
+// regions are held): per slot-sized chunk, each worker copies the parts the others sum
+// into its slot, raises its written counter, sums its own part in rank order into its
+// outputs and its slot, raises its summed counter, and copies the others' sums out of
+// their slots. The sums land in tensors TensorFlow allocated (or the inputs, forwarded),
+// which the optimizer may then overwrite in place; numpy_function's results are views
+// TensorFlow may not overwrite, and that costs the optimizer a new buffer per step.
+//
+// The waits poll like the Python ones (spin, yield, sleep) and return an error once the
+// control block's abort word is set: the transport's watcher thread sets it when a peer
+// is lost, naming it in the block's message. The error is UNKNOWN, as a numpy_function's
+// exception is (TensorFlow rewrites UNAVAILABLE from ops that are not its own
+// communication ops into a message that drops the cause).
+#include <sched.h>
+#include <time.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+namespace tf_distrib {
+namespace {
+
+using ::tensorflow::OpKernel;
+using ::tensorflow::OpKernelConstruction;
+using ::tensorflow::OpKernelContext;
+using ::tensorflow::Tensor;
+
+// The control block (int64 words in the worker's own memory, see native_sum.py).
+constexpr int kAbort = 0, kWaitingFor = 1, kNanoseconds = 2, kCollectives = 3, kBytes = 4;
+constexpr int kMessageOffset = 64, kMessageBytes = 960;
+// Elements a part starts on: 64-byte lines, as shared_memory.py's `_scatter`.
+constexpr int64_t kStep = 16;
+// Elements summed, then copied out, at a time (16 KiB: the core's L1 cache).
+constexpr int64_t kBlock = 4096;
+// Polling, as shared_memory.py's `_poll`.
+constexpr int64_t kSpinNs = 20000, kYieldNs = 2000000, kSleepNs = 100000;
+
+int64_t Now() {
+  timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+// The slot a worker sums into overlaps none of the addends: both loops vectorize.
+void Add(float* __restrict sum, const float* __restrict a, const float* __restrict b,
+         int64_t n) {
+  for (int64_t j = 0; j < n; ++j) sum[j] = a[j] + b[j];
+}
+void AddTo(float* __restrict sum, const float* __restrict b, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) sum[j] += b[j];
+}
+
+int64_t Load(const int64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+void Store(int64_t* p, int64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+
+class SharedSum : public OpKernel {
+ public:
+  explicit SharedSum(OpKernelConstruction* c) : OpKernel(c) {
+    int64_t segment, control;
+    OP_REQUIRES_OK(c, c->GetAttr("segment", &segment));
+    OP_REQUIRES_OK(c, c->GetAttr("control", &control));
+    OP_REQUIRES_OK(c, c->GetAttr("rank", &rank_));
+    OP_REQUIRES_OK(c, c->GetAttr("world", &world_));
+    OP_REQUIRES_OK(c, c->GetAttr("chunk_bytes", &chunk_bytes_));
+    OP_REQUIRES_OK(c, c->GetAttr("header_bytes", &header_bytes_));
+    OP_REQUIRES_OK(c, c->GetAttr("lines", &lines_));
+    OP_REQUIRES_OK(c, c->GetAttr("line_bytes", &line_bytes_));
+    OP_REQUIRES_OK(c, c->GetAttr("written", &written_));
+    OP_REQUIRES_OK(c, c->GetAttr("summed", &summed_));
+    OP_REQUIRES_OK(c, c->GetAttr("dtype_code", &dtype_code_));
+    segment_ = reinterpret_cast<char*>(segment);
+    control_ = reinterpret_cast<int64_t*>(control);
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    OP_REQUIRES_OK(ctx, Aborted());
+    const int64_t began = Now();
+    const int n = ctx->num_inputs() - 1;
+    std::vector<const float*> in(n);
+    std::vector<float*> out(n);
+    std::vector<int64_t> start(n), size(n);
+    int64_t total = 0;  // the flat layout's elements, each tensor on a 64-byte line
+    for (int i = 0; i < n; ++i) {
+      const Tensor& t = ctx->input(1 + i);
+      Tensor* o = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({1 + i}, i, t.shape(), &o));
+      in[i] = t.flat<float>().data();
+      out[i] = o->flat<float>().data();
+      size[i] = t.NumElements();
+      start[i] = total;
+      total += (size[i] + kStep - 1) / kStep * kStep;
+    }
+    const int64_t per_chunk = chunk_bytes_ / sizeof(float);
+    for (int64_t first = 0; first < total; first += per_chunk) {
+      OP_REQUIRES_OK(ctx, Chunk(first, std::min(total, first + per_chunk), total, in, out,
+                                start, size));
+    }
+    __atomic_add_fetch(control_ + kNanoseconds, Now() - began, __ATOMIC_RELAXED);
+    __atomic_add_fetch(control_ + kCollectives, 1, __ATOMIC_RELAXED);
+    __atomic_add_fetch(control_ + kBytes, total * int64_t{sizeof(float)}, __ATOMIC_RELAXED);
+  }
+
+ private:
+  int64_t* Line(int rank) const {
+    return reinterpret_cast<int64_t*>(segment_ + lines_ + rank * line_bytes_);
+  }
+  float* Slot(int64_t generation, int rank) const {
+    return reinterpret_cast<float*>(segment_ + header_bytes_ +
+                                    (generation * world_ + rank) * chunk_bytes_);
+  }
+
+  // Calls f(tensor, flat position, elements) for the tensors' elements in [lo, hi).
+  template <typename F>
+  static void Pieces(const std::vector<int64_t>& start, const std::vector<int64_t>& size,
+                     int64_t lo, int64_t hi, F f) {
+    for (size_t i = 0; i < start.size(); ++i) {
+      const int64_t a = std::max(lo, start[i]), b = std::min(hi, start[i] + size[i]);
+      if (a < b) f(i, a, b - a);
+    }
+  }
+
+  ::tensorflow::Status Chunk(int64_t first, int64_t stop, int64_t total,
+                             const std::vector<const float*>& in,
+                             const std::vector<float*>& out, const std::vector<int64_t>& start,
+                             const std::vector<int64_t>& size) {
+    const int64_t elements = stop - first;
+    std::vector<int64_t> bounds(world_ + 1);
+    for (int r = 0; r <= world_; ++r) {
+      const int64_t even = (elements * r + world_ - 1) / world_;
+      bounds[r] = std::min(elements, (even + kStep - 1) / kStep * kStep);
+    }
+    int64_t* mine = Line(rank_);
+    const int64_t chunk = Load(mine + written_) + 1;
+    const int64_t generation = (chunk - 1) % 2;
+    std::vector<float*> slots(world_);
+    for (int r = 0; r < world_; ++r) slots[r] = Slot(generation, r);
+    const int64_t low = first + bounds[rank_], high = first + bounds[rank_ + 1];
+    // The parts the others sum, into this worker's slot (padding stays unread).
+    auto to_slot = [&](size_t i, int64_t at, int64_t count) {
+      std::memcpy(slots[rank_] + (at - first), in[i] + (at - start[i]), count * sizeof(float));
+    };
+    Pieces(start, size, first, low, to_slot);
+    Pieces(start, size, high, stop, to_slot);
+    mine[1 + 2 * generation] = total * int64_t{sizeof(float)};
+    mine[2 + 2 * generation] = dtype_code_;
+    Store(mine + written_, chunk);
+    for (int r = 0; r < world_; ++r) {
+      if (r == rank_) continue;
+      TF_RETURN_IF_ERROR(Wait(r, written_, chunk));
+      const int64_t* theirs = Line(r);
+      if (theirs[1 + 2 * generation] != mine[1 + 2 * generation] ||
+          theirs[2 + 2 * generation] != dtype_code_) {
+        return ::tensorflow::errors::Internal(
+            "ProtocolError: worker ", r, " runs a different collective (", 
+            theirs[1 + 2 * generation], " bytes) than this one (", total * sizeof(float),
+            " bytes of float32): the workers do not run the same model or step.");
+      }
+    }
+    // This worker's part, summed in rank order (as numpy does: bitwise the same sums)
+    // into its slot, then copied to its outputs a block at a time, while in cache.
+    Pieces(start, size, low, high, [&](size_t i, int64_t at, int64_t count) {
+      for (int64_t done = 0; done < count; done += kBlock) {
+        const int64_t n = std::min(kBlock, count - done), offset = at - first + done;
+        const float* own = in[i] + (at - start[i]) + done;
+        float* sum = slots[rank_] + offset;
+        Add(sum, rank_ == 0 ? own : slots[0] + offset, rank_ == 1 ? own : slots[1] + offset, n);
+        for (int r = 2; r < world_; ++r) AddTo(sum, r == rank_ ? own : slots[r] + offset, n);
+        std::memcpy(out[i] + (at - start[i]) + done, sum, n * sizeof(float));
+      }
+    });
+    Store(mine + summed_, chunk);
+    for (int r = 0; r < world_; ++r) {
+      if (r != rank_) TF_RETURN_IF_ERROR(Wait(r, summed_, chunk));
+    }
+    for (int r = 0; r < world_; ++r) {
+      if (r == rank_) continue;
+      Pieces(start, size, first + bounds[r], first + bounds[r + 1],
+             [&](size_t i, int64_t at, int64_t count) {
+               std::memcpy(out[i] + (at - start[i]), slots[r] + (at - first),
+                           count * sizeof(float));
+             });
+    }
+    return ::tensorflow::OkStatus();
+  }
+
+  // The abort's error (its message names the cause), or OK while there is none.
+  ::tensorflow::Status Aborted() const {
+    if (!Load(control_ + kAbort)) return ::tensorflow::OkStatus();
+    const char* message = reinterpret_cast<const char*>(control_) + kMessageOffset;
+    return ::tensorflow::errors::Unknown(std::string(message, strnlen(message, kMessageBytes)));
+  }
+
+  // Returns once worker `peer`'s counter `field` reaches `chunk`, or the abort's error.
+  ::tensorflow::Status Wait(int peer, int64_t field, int64_t chunk) {
+    const int64_t* counter = Line(peer) + field;
+    if (Load(counter) >= chunk) return ::tensorflow::OkStatus();
+    Store(control_ + kWaitingFor, peer + 1);
+    const int64_t began = Now();
+    while (Load(counter) < chunk) {
+      if (Load(control_ + kAbort)) {
+        Store(control_ + kWaitingFor, 0);
+        return Aborted();
+      }
+      const int64_t waited = Now() - began;
+      if (waited > kYieldNs) {
+        timespec pause{0, kSleepNs};
+        nanosleep(&pause, nullptr);
+      } else if (waited > kSpinNs) {
+        sched_yield();
+      }
+    }
+    Store(control_ + kWaitingFor, 0);
+    return ::tensorflow::OkStatus();
+  }
+
+  char* segment_;
+  int64_t* control_;
+  int rank_, world_;
+  int64_t chunk_bytes_, header_bytes_, lines_, line_bytes_, written_, summed_, dtype_code_;
+};
+
+}  // namespace
+
+REGISTER_OP("TfDistribSharedSum")
+    .Input("ticket: int64")
+    .Input("tensors: N * float")
+    .Output("sums: N * float")
+    .Attr("N: int >= 1")
+    .Attr("segment: int")
+    .Attr("control: int")
+    .Attr("rank: int")
+    .Attr("world: int >= 2")
+    .Attr("chunk_bytes: int")
+    .Attr("header_bytes: int")
+    .Attr("lines: int")
+    .Attr("line_bytes: int")
+    .Attr("written: int")
+    .Attr("summed: int")
+    .Attr("dtype_code: int")
+    .SetIsStateful()
+    .SetShapeFn([](::tensorflow::shape_inference::InferenceContext* c) {
+      for (int i = 1; i < c->num_inputs(); ++i) c->set_output(i - 1, c->input(i));
+      return ::tensorflow::OkStatus();
+    });
+
+REGISTER_KERNEL_BUILDER(Name("TfDistribSharedSum").Device(::tensorflow::DEVICE_CPU),
+                        SharedSum);
+
+}  // namespace tf_distrib

@@ -177,3 +177,10 @@ def test_without_the_op_every_worker_keeps_the_python_path(tmp_path, env, warns)
         assert bool(named) == warns, w.value["warnings"]
         if warns:
             assert "false exited with" in named[0] and "Install a C++ compiler" in named[0]
+
+
+@pytest.mark.parametrize("value", ["yes", "2"])
+def test_a_bad_switch_is_refused_naming_it(monkeypatch, value):
+    monkeypatch.setenv("TF_DISTRIB_NATIVE_SUM", value)
+    with pytest.raises(ValueError, match="TF_DISTRIB_NATIVE_SUM=.*Fix or unset"):
+        native_sum.enabled()

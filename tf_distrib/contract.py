@@ -17,6 +17,7 @@ launcher imports it, and so does every worker.
 | `TF_DISTRIB_TRANSPORT` | the gradient transport when `make_strategy` is not told one |
 | `TF_DISTRIB_REPORT_DIR` | where a worker writes its flight-recorder report when it hangs |
 | `TF_DISTRIB_MMAP_THRESHOLD` | glibc mmap threshold the strategies keep (bytes; 0: TF's) |
+| `TF_DISTRIB_NATIVE_SUM` | 0: the shared-memory transport keeps its Python path (no native op) |
 
 Example:
 
@@ -44,6 +45,7 @@ ENV_SECRET = "TF_DISTRIB_SECRET"
 ENV_TRANSPORT = "TF_DISTRIB_TRANSPORT"
 ENV_REPORT_DIR = "TF_DISTRIB_REPORT_DIR"
 ENV_MMAP_THRESHOLD = "TF_DISTRIB_MMAP_THRESHOLD"
+ENV_NATIVE_SUM = "TF_DISTRIB_NATIVE_SUM"
 
 #: A worker saved a backup on SIGTERM (preemption) and exited; its peers save at the
 #: same step and exit on their own. Restart the group: it resumes from that step.

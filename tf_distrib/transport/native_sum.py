@@ -42,11 +42,10 @@ import warnings
 
 import numpy as np
 
-from tf_distrib import phases
+from tf_distrib import contract, phases
 from tf_distrib.transport import shared_memory
 from tf_distrib.transport.errors import TransportError
 
-ENV_SWITCH = "TF_DISTRIB_NATIVE_SUM"
 SOURCE = os.path.join(os.path.dirname(__file__), "native_sum.cc")
 # A first build takes ~10 s on one core; its peers wait for it (`connect`'s timeout).
 BUILD_TIMEOUT_SECONDS = 60.0
@@ -60,8 +59,16 @@ _KEPT: list[tuple[np.ndarray, np.ndarray]] = []
 
 
 def enabled() -> bool:
-    """Whether this process may use the op (`TF_DISTRIB_NATIVE_SUM` is not "0")."""
-    return os.environ.get(ENV_SWITCH, "1") != "0"
+    """Whether this process may use the op: `TF_DISTRIB_NATIVE_SUM` is unset or 1, not 0.
+
+    Raises:
+        ValueError: the variable is set to anything else; the message names it.
+    """
+    value = contract.env_int(contract.ENV_NATIVE_SUM, 1)
+    if value not in (0, 1):
+        raise ValueError(f"{contract.ENV_NATIVE_SUM}={value} must be 0 (the transport's "
+                         "Python path) or 1 (the native op, the default). Fix or unset it.")
+    return value == 1
 
 
 def compiler() -> str | None:
@@ -85,7 +92,7 @@ def library():
             f"tf_distrib: the native all-reduce op could not be built or loaded ({e}); "
             "the shared-memory transport keeps its Python path (~0.5 ms more CPU per step "
             "for 7 MB of gradients). Install a C++ compiler (g++) or set CXX; set "
-            f"{ENV_SWITCH}=0 to silence this.", RuntimeWarning, stacklevel=2)
+            f"{contract.ENV_NATIVE_SUM}=0 to silence this.", RuntimeWarning, stacklevel=2)
         return None
 
 

@@ -194,8 +194,9 @@ def gradient_collectives(strategy, model):
     """(dtype, elements) of each collective the gradient path issues, in launch order.
 
     TF's collective is a CollectiveReduceV2 op per bucket (its first input); tf_distrib's
-    transport one numpy_function per bucket (after the collective's number), or across
-    hosts a start per bucket (its finish has no tensor input).
+    transport one op per bucket (a numpy_function, or on one host the native op, after the
+    collective's number), or across hosts a start per bucket (its finish has no tensor
+    input).
     """
     import tensorflow as tf
 

@@ -27,9 +27,11 @@ def _connect(directory, **kwargs):
                              **kwargs)
 
 
-def _addends(rank, sizes):
+def _addends(rank, sizes, dtype=np.float32):
     rng = np.random.default_rng(rank)
-    return [(rng.standard_normal(n) * 4).astype(np.float32) for n in sizes]
+    if dtype == np.int64:  # TensorFlow's per-step count of the workers that have data
+        return [rng.integers(-1000, 1000, n) for n in sizes]
+    return [(rng.standard_normal(n) * 4).astype(dtype) for n in sizes]
 
 
 def sum_both_ways(directory):
@@ -42,19 +44,21 @@ def sum_both_ways(directory):
     t = _connect(directory)
     rank, world = t.rank, t.world
     slot = t.in_place_bytes // 4
-    # One element up; sizes no worker count divides; a layout of two slot-sized chunks.
-    layouts = [[1], [7, 1000], [65_537, 3, 250_000], [slot + 17]]
+    # One element up; sizes no worker count divides; a layout of two slot-sized chunks;
+    # int64.
+    layouts = [([1], np.float32), ([7, 1000], np.float32), ([65_537, 3, 250_000], np.float32),
+               ([slot + 17], np.float32), ([1, 9, 1000], np.int64)]
     report = {"native": t.native is not None, "digests": [], "equal": [], "exact": []}
-    for sizes in layouts:
-        mine = _addends(rank, sizes)
+    for sizes, dtype in layouts:
+        mine = _addends(rank, sizes, dtype)
         native = [np.asarray(s) for s in graph_op.all_reduce(t, mine)]
         python = [np.array(s) for s in t.all_reduce(mine)]
         again = [np.asarray(s) for s in graph_op.all_reduce(t, mine)]
         report["equal"].append(all(np.array_equal(a, b) and np.array_equal(a, c)
                                    for a, b, c in zip(native, python, again, strict=True)))
-        reference = [sum(_addends(r, sizes)[k].astype(np.float64) for r in range(world))
+        reference = [sum(_addends(r, sizes, dtype)[k].astype(np.float64) for r in range(world))
                      for k in range(len(sizes))]
-        report["exact"].append(all(np.allclose(s, r, rtol=1e-5, atol=1e-4)
+        report["exact"].append(all(s.dtype == dtype and np.allclose(s, r, rtol=1e-5, atol=1e-4)
                                    for s, r in zip(native, reference, strict=True)))
         report["digests"].append(hashlib.sha256(b"".join(s.tobytes() for s in native))
                                  .hexdigest())
@@ -74,9 +78,9 @@ def test_the_op_sums_bitwise_as_the_python_path_on_every_worker(tmp_path, world)
                           quiet=True, timeout=180)
     for w in workers:
         assert w.value["native"]
-        assert w.value["equal"] == [True] * 4
-        assert w.value["exact"] == [True] * 4
-        assert w.value["collectives"] == 3 * 4  # the op's collectives are counted too
+        assert w.value["equal"] == [True] * 5
+        assert w.value["exact"] == [True] * 5
+        assert w.value["collectives"] == 3 * 5  # the op's collectives are counted too
         assert ("tf_distrib.transport.errors.TransportError: the transport is closed."
                 in w.value["after_close"])
     assert len({tuple(w.value["digests"]) for w in workers}) == 1

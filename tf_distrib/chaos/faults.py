@@ -140,18 +140,36 @@ def _kill_in_write(nth: int) -> None:
 
 
 def _kill_in_collective(nth: int) -> None:
-    """SIGKILL a moment into the `nth` all-reduce of the gradient transport."""
+    """SIGKILL a moment into the `nth` all-reduce of the gradient transport, counting the
+    Python path's calls and the native op's runs alike."""
     from tf_distrib.transport.collective import Transport
+    from tf_distrib.transport.native_sum import NativeSum
 
-    all_reduce, calls = Transport.all_reduce, []
+    calls = []
 
-    def all_reduce_then_kill(self, *args, **kwargs):
+    def count() -> None:
         calls.append(None)
         if len(calls) == nth:
             threading.Timer(0.001, _signal_self, (signal.SIGKILL,)).start()
-        return all_reduce(self, *args, **kwargs)
+
+    python_path, native_op = Transport.all_reduce, NativeSum.all_reduce
+
+    def all_reduce_then_kill(self, *args, **kwargs):
+        count()
+        return python_path(self, *args, **kwargs)
+
+    def native_then_kill(self, ticket, tensors):
+        import numpy as np
+        import tensorflow as tf
+
+        # The op runs in C++: a numpy_function just before it counts each of its runs.
+        counted = tf.numpy_function(lambda: np.int64(count() or 0), [], tf.int64,
+                                    stateful=True)
+        with tf.control_dependencies([counted]):
+            return native_op(self, tf.identity(ticket), tensors)
 
     Transport.all_reduce = all_reduce_then_kill
+    NativeSum.all_reduce = native_then_kill
 
 
 def _at_step(fault: Fault, backup_dir: str):

@@ -1,7 +1,7 @@
 """The transport as a TensorFlow op, run in the same order on every worker.
 
-Each all-reduce is one stateful `tf.numpy_function` (or, for float32 where the
-transport has it, the native op of `native_sum`), bracketed by two updates of a
+Each all-reduce is one stateful `tf.numpy_function` (or, for float32 and int64 where
+the transport has it, the native op of `native_sum`), bracketed by two updates of a
 token variable that belongs to the transport. Inside a `tf.function`, TensorFlow
 orders every op that touches one resource in program order, through `tf.cond` and
 `tf.while_loop` bodies too, so the collectives of a step run one at a time, in the
@@ -48,9 +48,9 @@ def all_reduce(transport: Transport, tensors: list[tf.Tensor]) -> list[tf.Tensor
     if not tensors:
         return []
     tensors = [tf.convert_to_tensor(t) for t in tensors]
-    if transport.native is not None and all(t.dtype == tf.float32 for t in tensors):
-        return list(_ordered(transport, lambda ticket: transport.native.all_reduce(
-            ticket, tensors)))
+    native, dtypes = transport.native, {t.dtype.name for t in tensors}
+    if native is not None and len(dtypes) == 1 and dtypes <= set(native.DTYPES):
+        return list(_ordered(transport, lambda ticket: native.all_reduce(ticket, tensors)))
     return _shaped(_ordered(transport, lambda ticket: tf.numpy_function(
         lambda number, *arrays: transport.all_reduce(list(arrays), seq=int(number)),
         [ticket, *tensors], [t.dtype for t in tensors], stateful=True,

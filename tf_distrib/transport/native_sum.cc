@@ -38,9 +38,7 @@ using ::tensorflow::Tensor;
 // The control block (int64 words in the worker's own memory, see native_sum.py).
 constexpr int kAbort = 0, kWaitingFor = 1, kNanoseconds = 2, kCollectives = 3, kBytes = 4;
 constexpr int kMessageOffset = 64, kMessageBytes = 960;
-// Elements a part starts on: 64-byte lines, as shared_memory.py's `_scatter`.
-constexpr int64_t kStep = 16;
-// Elements summed, then copied out, at a time (16 KiB: the core's L1 cache).
+// Elements summed, then copied out, at a time (16-32 KiB: the core's L1 cache).
 constexpr int64_t kBlock = 4096;
 // Polling, as shared_memory.py's `_poll`.
 constexpr int64_t kSpinNs = 20000, kYieldNs = 2000000, kSleepNs = 100000;
@@ -52,18 +50,23 @@ int64_t Now() {
 }
 
 // The slot a worker sums into overlaps none of the addends: both loops vectorize.
-void Add(float* __restrict sum, const float* __restrict a, const float* __restrict b,
-         int64_t n) {
+template <typename T>
+void Add(T* __restrict sum, const T* __restrict a, const T* __restrict b, int64_t n) {
   for (int64_t j = 0; j < n; ++j) sum[j] = a[j] + b[j];
 }
-void AddTo(float* __restrict sum, const float* __restrict b, int64_t n) {
+template <typename T>
+void AddTo(T* __restrict sum, const T* __restrict b, int64_t n) {
   for (int64_t j = 0; j < n; ++j) sum[j] += b[j];
 }
 
 int64_t Load(const int64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 void Store(int64_t* p, int64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 
+template <typename T>
 class SharedSum : public OpKernel {
+  // Tensors and parts start on 64-byte lines, as in shared_memory.py and buffers.py.
+  static constexpr int64_t kStep = 64 / sizeof(T);
+
  public:
   explicit SharedSum(OpKernelConstruction* c) : OpKernel(c) {
     int64_t segment, control;
@@ -86,36 +89,36 @@ class SharedSum : public OpKernel {
     OP_REQUIRES_OK(ctx, Aborted());
     const int64_t began = Now();
     const int n = ctx->num_inputs() - 1;
-    std::vector<const float*> in(n);
-    std::vector<float*> out(n);
+    std::vector<const T*> in(n);
+    std::vector<T*> out(n);
     std::vector<int64_t> start(n), size(n);
     int64_t total = 0;  // the flat layout's elements, each tensor on a 64-byte line
     for (int i = 0; i < n; ++i) {
       const Tensor& t = ctx->input(1 + i);
       Tensor* o = nullptr;
       OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({1 + i}, i, t.shape(), &o));
-      in[i] = t.flat<float>().data();
-      out[i] = o->flat<float>().data();
+      in[i] = t.flat<T>().data();
+      out[i] = o->flat<T>().data();
       size[i] = t.NumElements();
       start[i] = total;
       total += (size[i] + kStep - 1) / kStep * kStep;
     }
-    const int64_t per_chunk = chunk_bytes_ / sizeof(float);
+    const int64_t per_chunk = chunk_bytes_ / sizeof(T);
     for (int64_t first = 0; first < total; first += per_chunk) {
       OP_REQUIRES_OK(ctx, Chunk(first, std::min(total, first + per_chunk), total, in, out,
                                 start, size));
     }
     __atomic_add_fetch(control_ + kNanoseconds, Now() - began, __ATOMIC_RELAXED);
     __atomic_add_fetch(control_ + kCollectives, 1, __ATOMIC_RELAXED);
-    __atomic_add_fetch(control_ + kBytes, total * int64_t{sizeof(float)}, __ATOMIC_RELAXED);
+    __atomic_add_fetch(control_ + kBytes, total * int64_t{sizeof(T)}, __ATOMIC_RELAXED);
   }
 
  private:
   int64_t* Line(int rank) const {
     return reinterpret_cast<int64_t*>(segment_ + lines_ + rank * line_bytes_);
   }
-  float* Slot(int64_t generation, int rank) const {
-    return reinterpret_cast<float*>(segment_ + header_bytes_ +
+  T* Slot(int64_t generation, int rank) const {
+    return reinterpret_cast<T*>(segment_ + header_bytes_ +
                                     (generation * world_ + rank) * chunk_bytes_);
   }
 
@@ -130,8 +133,8 @@ class SharedSum : public OpKernel {
   }
 
   ::tensorflow::Status Chunk(int64_t first, int64_t stop, int64_t total,
-                             const std::vector<const float*>& in,
-                             const std::vector<float*>& out, const std::vector<int64_t>& start,
+                             const std::vector<const T*>& in,
+                             const std::vector<T*>& out, const std::vector<int64_t>& start,
                              const std::vector<int64_t>& size) {
     const int64_t elements = stop - first;
     std::vector<int64_t> bounds(world_ + 1);
@@ -142,16 +145,16 @@ class SharedSum : public OpKernel {
     int64_t* mine = Line(rank_);
     const int64_t chunk = Load(mine + written_) + 1;
     const int64_t generation = (chunk - 1) % 2;
-    std::vector<float*> slots(world_);
+    std::vector<T*> slots(world_);
     for (int r = 0; r < world_; ++r) slots[r] = Slot(generation, r);
     const int64_t low = first + bounds[rank_], high = first + bounds[rank_ + 1];
     // The parts the others sum, into this worker's slot (padding stays unread).
     auto to_slot = [&](size_t i, int64_t at, int64_t count) {
-      std::memcpy(slots[rank_] + (at - first), in[i] + (at - start[i]), count * sizeof(float));
+      std::memcpy(slots[rank_] + (at - first), in[i] + (at - start[i]), count * sizeof(T));
     };
     Pieces(start, size, first, low, to_slot);
     Pieces(start, size, high, stop, to_slot);
-    mine[1 + 2 * generation] = total * int64_t{sizeof(float)};
+    mine[1 + 2 * generation] = total * int64_t{sizeof(T)};
     mine[2 + 2 * generation] = dtype_code_;
     Store(mine + written_, chunk);
     for (int r = 0; r < world_; ++r) {
@@ -161,9 +164,9 @@ class SharedSum : public OpKernel {
       if (theirs[1 + 2 * generation] != mine[1 + 2 * generation] ||
           theirs[2 + 2 * generation] != dtype_code_) {
         return ::tensorflow::errors::Internal(
-            "ProtocolError: worker ", r, " runs a different collective (", 
-            theirs[1 + 2 * generation], " bytes) than this one (", total * sizeof(float),
-            " bytes of float32): the workers do not run the same model or step.");
+            "ProtocolError: worker ", r, " runs a different collective (",
+            theirs[1 + 2 * generation], " bytes) than this one (", total * sizeof(T),
+            " bytes): the workers do not run the same model or step.");
       }
     }
     // This worker's part, summed in rank order (as numpy does: bitwise the same sums)
@@ -171,11 +174,11 @@ class SharedSum : public OpKernel {
     Pieces(start, size, low, high, [&](size_t i, int64_t at, int64_t count) {
       for (int64_t done = 0; done < count; done += kBlock) {
         const int64_t n = std::min(kBlock, count - done), offset = at - first + done;
-        const float* own = in[i] + (at - start[i]) + done;
-        float* sum = slots[rank_] + offset;
+        const T* own = in[i] + (at - start[i]) + done;
+        T* sum = slots[rank_] + offset;
         Add(sum, rank_ == 0 ? own : slots[0] + offset, rank_ == 1 ? own : slots[1] + offset, n);
         for (int r = 2; r < world_; ++r) AddTo(sum, r == rank_ ? own : slots[r] + offset, n);
-        std::memcpy(out[i] + (at - start[i]) + done, sum, n * sizeof(float));
+        std::memcpy(out[i] + (at - start[i]) + done, sum, n * sizeof(T));
       }
     });
     Store(mine + summed_, chunk);
@@ -187,7 +190,7 @@ class SharedSum : public OpKernel {
       Pieces(start, size, first + bounds[r], first + bounds[r + 1],
              [&](size_t i, int64_t at, int64_t count) {
                std::memcpy(out[i] + (at - start[i]), slots[r] + (at - first),
-                           count * sizeof(float));
+                           count * sizeof(T));
              });
     }
     return ::tensorflow::OkStatus();
@@ -233,8 +236,9 @@ class SharedSum : public OpKernel {
 
 REGISTER_OP("TfDistribSharedSum")
     .Input("ticket: int64")
-    .Input("tensors: N * float")
-    .Output("sums: N * float")
+    .Input("tensors: N * T")
+    .Output("sums: N * T")
+    .Attr("T: {float, int64}")
     .Attr("N: int >= 1")
     .Attr("segment: int")
     .Attr("control: int")
@@ -253,7 +257,12 @@ REGISTER_OP("TfDistribSharedSum")
       return ::tensorflow::OkStatus();
     });
 
-REGISTER_KERNEL_BUILDER(Name("TfDistribSharedSum").Device(::tensorflow::DEVICE_CPU),
-                        SharedSum);
+REGISTER_KERNEL_BUILDER(
+    Name("TfDistribSharedSum").Device(::tensorflow::DEVICE_CPU).TypeConstraint<float>("T"),
+    SharedSum<float>);
+// int64: TensorFlow's per-step count of the workers whose input still has data.
+REGISTER_KERNEL_BUILDER(
+    Name("TfDistribSharedSum").Device(::tensorflow::DEVICE_CPU).TypeConstraint<int64_t>("T"),
+    SharedSum<int64_t>);
 
 }  // namespace tf_distrib

@@ -146,11 +146,16 @@ def _lock(lock, path: str) -> None:
 class NativeSum:
     """The op bound to one transport's segment, and the watcher that can abort its waits.
 
+    It sums float32 (gradients, logged values) and int64 (TensorFlow's per-step count of
+    the workers whose input still has data, with a plain dataset).
+
     Args:
         transport: The `Transport` ("shm" mode, polled counters) whose collectives it runs.
         segment: Its `SharedSegment`; stays mapped until the process exits.
         op_library: `library()`.
     """
+
+    DTYPES = ("float32", "int64")
 
     def __init__(self, transport, segment, op_library):
         self.transport = transport
@@ -163,8 +168,7 @@ class NativeSum:
             rank=transport.rank, world=transport.world, chunk_bytes=segment.chunk_bytes,
             header_bytes=shared_memory.HEADER_BYTES, lines=shared_memory.COUNTERS_OFFSET,
             line_bytes=shared_memory.LINE_BYTES, written=shared_memory.WRITTEN,
-            summed=shared_memory.SUMMED,
-            dtype_code=shared_memory.dtype_code(np.dtype(np.float32)))
+            summed=shared_memory.SUMMED)
         self._folded = np.zeros(3, np.int64)  # nanoseconds, collectives, bytes in `stats`
         self._closed = threading.Event()
         self._watcher = threading.Thread(target=self._watch, daemon=True,
@@ -172,8 +176,11 @@ class NativeSum:
         self._watcher.start()
 
     def all_reduce(self, ticket, tensors):
-        """The sums over workers of float32 `tensors`, after the op that made `ticket`."""
-        return self._library.tf_distrib_shared_sum(ticket, tensors, **self._attrs)
+        """The sums over workers of `tensors` (all of one of `DTYPES`), after the op that
+        made `ticket`."""
+        code = shared_memory.dtype_code(np.dtype(tensors[0].dtype.as_numpy_dtype))
+        return self._library.tf_distrib_shared_sum(ticket, tensors, dtype_code=code,
+                                                   name="tf_distrib_all_reduce", **self._attrs)
 
     def waiting_for(self) -> int | None:
         """The rank the op waits for right now, or None."""

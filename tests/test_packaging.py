@@ -48,8 +48,12 @@ def test_installing_next_to_tensorflow_adds_nothing_but_tf_distrib(tmp_path):
 @pytest.mark.multiprocess
 def test_the_wheel_ships_the_native_ops_source(tmp_path):
     # Built on first use against the user's TensorFlow (tf_distrib/transport/native_sum.py).
+    # From a copy: setuptools builds in the source tree.
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        ".*", "build", "site", "*.egg-info", "__pycache__"))
     done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-index",
-                           "--no-build-isolation", "--quiet", "-w", str(tmp_path), str(ROOT)],
+                           "--no-build-isolation", "--quiet", "-w", str(tmp_path), str(source)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     [wheel] = tmp_path.glob("tf_distrib-*.whl")

@@ -38,14 +38,15 @@ test-fast: $(INSTALLED)
 
 # Debian packages some tests drive for real, once: Slurm and munge (tests/test_slurm.py,
 # a real slurmctld and slurmd) and strace (the durable-backup order, tests/test_durability.py).
+# And a C++ compiler: tests/test_native_sum.py builds the native all-reduce op.
 # Without root or apt-get those tests skip, naming what they need. The check's loop runs
 # in a subshell: its `exit 1` must end the check, not the recipe.
-SYSTEM_TOOLS := slurmctld slurmd munged strace
+SYSTEM_TOOLS := slurmctld slurmd munged strace c++
 system-deps:
 	@if (for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null || exit 1; done); then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-			slurm-wlm munge strace >/dev/null; \
+			slurm-wlm munge strace g++ >/dev/null; \
 	else echo "system-deps: not root or no apt-get: the Slurm and strace tests will skip"; fi
 
 bench: $(INSTALLED)

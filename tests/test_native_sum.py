@@ -13,8 +13,6 @@ from tf_distrib.testing import run_workers
 from tf_distrib.transport import native_sum
 
 pytestmark = pytest.mark.multiprocess
-needs_compiler = pytest.mark.skipif(native_sum.compiler() is None,
-                                    reason="needs a C++ compiler (c++, or $CXX) for the op")
 
 
 def _connect(directory, **kwargs):
@@ -71,7 +69,6 @@ def sum_both_ways(directory):
     return report
 
 
-@needs_compiler
 @pytest.mark.parametrize("world", [2, 3])
 def test_the_op_sums_bitwise_as_the_python_path_on_every_worker(tmp_path, world):
     workers = run_workers(sum_both_ways, world, args=(str(tmp_path),), startup_timeout=None,
@@ -117,7 +114,6 @@ def lose_a_peer_in_the_op(directory, how):
     return lost
 
 
-@needs_compiler
 @pytest.mark.parametrize("how, limit", [("SIGKILL", 2.0), ("SIGSTOP", 3.0 + 2.5)])
 def test_a_lost_peer_fails_the_op_in_bounded_time_naming_it(tmp_path, how, limit):
     result = launch(lose_a_peer_in_the_op, 3, args=(str(tmp_path), how),
@@ -146,7 +142,6 @@ def sum_different_sizes(directory):
         t.close()
 
 
-@needs_compiler
 def test_workers_that_sum_different_layouts_fail_instead_of_summing(tmp_path):
     messages = [w.value for w in run_workers(sum_different_sizes, 2, args=(str(tmp_path),),
                                              startup_timeout=None, quiet=True, timeout=60)]

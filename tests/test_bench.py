@@ -30,6 +30,21 @@ def test_scaling_and_overhead_pair_each_row_with_its_baseline_of_the_same_round(
     assert report["overhead_ms_per_step"]["1 worker"] == 0
 
 
+def test_a_row_is_also_read_against_another_one_worker_row_of_the_same_round():
+    from tf_distrib.bench.scaling import _rounds, _scaling_against
+
+    def rates(values):
+        rows = iter([{"examples_per_sec": r, "cpu_per_step": 0.01} for r in values])
+        return lambda: next(rows)
+
+    runs = {"1 worker": ("1 worker", rates([150, 300, 200])),
+            "1 worker, plain dataset": ("1 worker, plain dataset", rates([100, 200, 150])),
+            "2 workers, plain": ("1 worker, plain dataset", rates([240, 450, 330]))}
+    report = _rounds(runs, rounds=3)
+    assert report["scaling"]["2 workers, plain"] == pytest.approx(2.25)
+    assert _scaling_against(report, "2 workers, plain", "1 worker") == pytest.approx(1.6)
+
+
 def test_in_turns_each_pair_epoch_meets_the_one_worker_epochs_around_it():
     from tf_distrib.bench.scaling import _compare_turns
 

@@ -363,7 +363,7 @@ def run(options) -> dict:
                                                       batch=MODELS[m].per_worker_batch))
         report[model] = _rounds(runs, 1 if options.quick else ROUNDS)
         report[model]["also_against"] = {
-            name: {baseline: _scaling_against(report[model], name, baseline)}
+            name: _scaling_against(report[model], name, baseline)
             for name, baseline in ALSO_AGAINST.items() if name in runs}
         report[model]["all_reduce_floor_ms"] = all_reduce_floor(
             4 * build(model).count_params()) * 1e3
@@ -427,9 +427,9 @@ def _print(model: Model, runs: dict, report: dict) -> None:
               f"{report['scaling'][name]:>9.2f}x{report['cpu_ms_per_step'][name]:>13.2f}"
               f"{report['overhead_ms_per_step'][name]:>10.2f}"
               f"{_spread(rounds):>16}")
-    for name, against in report["also_against"].items():
-        for baseline, scaling in against.items():
-            print(f"  {name}, against {baseline!r} (one iterator per run): {scaling:.2f}x")
+    for name, scaling in report["also_against"].items():
+        print(f"  {name}, against {ALSO_AGAINST[name]!r} (one iterator per run): "
+              f"{scaling:.2f}x")
     if "1 worker, plain dataset" in runs:
         wall = model.per_worker_batch / report["examples_per_sec"]["1 worker, plain dataset"]
         idle = wall * 1e3 - report["cpu_ms_per_step"]["1 worker, plain dataset"]

@@ -83,6 +83,31 @@ def test_the_op_sums_bitwise_as_the_python_path_on_every_worker(tmp_path, world)
     assert len({tuple(w.value["digests"]) for w in workers}) == 1
 
 
+def seconds_to_training(directory):
+    """Seconds from the end of this worker's first collective (the op's) until it reports
+    the TRAINING phase, with the watcher's liveness poll too slow to notice by polling."""
+    import time
+
+    from tf_distrib import phases
+    from tf_distrib.transport import graph_op, shared_memory
+
+    shared_memory.CHECK_SECONDS = 60.0
+    t = _connect(directory)
+    graph_op.all_reduce(t, [np.ones(8, np.float32)])
+    done, deadline = time.monotonic(), time.monotonic() + 10
+    while phases.current() != phases.TRAINING and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return time.monotonic() - done
+
+
+def test_the_first_collective_reports_training_at_once(tmp_path):
+    # The launcher names the phase of a worker that stops (SIGSTOP); one that stopped at
+    # its 15th step was said to be "in its first step" while the watcher had not polled.
+    workers = run_workers(seconds_to_training, 2, args=(str(tmp_path),),
+                          startup_timeout=None, quiet=True, timeout=120)
+    assert all(w.value < 1.0 for w in workers), [w.value for w in workers]
+
+
 def lose_a_peer_in_the_op(directory, how):
     """Worker 1 dies (SIGKILL) or freezes (SIGSTOP) while the others wait in the op."""
     import contextlib

@@ -16,6 +16,7 @@
 // communication ops into a message that drops the cause).
 #include <sched.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -36,7 +37,8 @@ using ::tensorflow::OpKernelContext;
 using ::tensorflow::Tensor;
 
 // The control block (int64 words in the worker's own memory, see native_sum.py).
-constexpr int kAbort = 0, kWaitingFor = 1, kNanoseconds = 2, kCollectives = 3, kBytes = 4;
+constexpr int kAbort = 0, kWaitingFor = 1, kNanoseconds = 2, kCollectives = 3, kBytes = 4,
+              kWakeFd = 5;
 constexpr int kMessageOffset = 64, kMessageBytes = 960;
 // Elements summed, then copied out, at a time (16-32 KiB: the core's L1 cache).
 constexpr int64_t kBlock = 4096;
@@ -109,7 +111,13 @@ class SharedSum : public OpKernel {
                                 start, size));
     }
     __atomic_add_fetch(control_ + kNanoseconds, Now() - began, __ATOMIC_RELAXED);
-    __atomic_add_fetch(control_ + kCollectives, 1, __ATOMIC_RELAXED);
+    if (__atomic_add_fetch(control_ + kCollectives, 1, __ATOMIC_RELAXED) == 1) {
+      // The first: wake the watcher, which tells the launcher this worker trains (a full
+      // pipe has woken it already, so the result does not matter).
+      const char byte = 1;
+      [[maybe_unused]] const ssize_t sent =
+          write(static_cast<int>(Load(control_ + kWakeFd)), &byte, 1);
+    }
     __atomic_add_fetch(control_ + kBytes, total * int64_t{sizeof(T)}, __ATOMIC_RELAXED);
   }
 

@@ -18,7 +18,10 @@ Python path; `TF_DISTRIB_NATIVE_SUM=0` keeps the Python path without trying.
 Its waits cannot run Python, so each worker's watcher thread checks its peers' liveness
 while the op waits (as the Python path's polling does) and, when one is lost, stops the
 transport and sets the op's abort word: the op fails with the same message, naming the
-peer.
+peer. The op wakes that thread through a pipe when its first collective completes, and
+the thread then reports the TRAINING phase (the launcher names the phase of a worker
+that stops; polling alone let a fast worker stop at its 15th step still "in its first
+step").
 
 Example (what `tf_distrib.transport.graph_op` does with a transport whose `native` is
 set):
@@ -34,6 +37,7 @@ import fcntl
 import functools
 import hashlib
 import os
+import select
 import shutil
 import subprocess
 import threading
@@ -50,12 +54,13 @@ SOURCE = os.path.join(os.path.dirname(__file__), "native_sum.cc")
 # A first build takes ~10 s on one core; its peers wait for it (`connect`'s timeout).
 BUILD_TIMEOUT_SECONDS = 60.0
 # The control block: int64 words, as native_sum.cc reads them, then the abort message.
-_ABORT, _WAITING_FOR, _NANOSECONDS, _COLLECTIVES, _BYTES = range(5)
+_ABORT, _WAITING_FOR, _NANOSECONDS, _COLLECTIVES, _BYTES, _WAKE_FD = range(6)
 _MESSAGE_OFFSET, _MESSAGE_BYTES, _CONTROL_BYTES = 64, 960, 1024
-# Every bound segment and control block, kept until the process exits: a traced step
-# that still holds their addresses can run after its transport is gone, and must then
-# fail (the control block says the transport is closed), never touch unmapped memory.
-_KEPT: list[tuple[np.ndarray, np.ndarray]] = []
+# Every bound segment, control block and wake pipe, kept until the process exits: a
+# traced step that still holds their addresses can run after its transport is gone, and
+# must then fail (the control block says the transport is closed), never touch unmapped
+# memory or write into a descriptor that names another file by then.
+_KEPT: list[tuple[np.ndarray, np.ndarray, tuple[int, int]]] = []
 
 
 def enabled() -> bool:
@@ -161,8 +166,13 @@ class NativeSum:
         self.transport = transport
         self._library = op_library
         self._control = np.zeros(_CONTROL_BYTES // 8, np.int64)
+        # The op writes a byte here when its first collective completes, so that the
+        # watcher says TRAINING at once (the launcher names a stopped worker's phase).
+        self._wake = os.pipe()
+        os.set_blocking(self._wake[1], False)
+        self._control[_WAKE_FD] = self._wake[1]
         mapped = segment.array()
-        _KEPT.append((mapped, self._control))
+        _KEPT.append((mapped, self._control, self._wake))
         self._attrs = dict(
             segment=mapped.ctypes.data, control=self._control.ctypes.data,
             rank=transport.rank, world=transport.world, chunk_bytes=segment.chunk_bytes,
@@ -200,10 +210,16 @@ class NativeSum:
         """Stops the watcher; the op fails from now on, saying the transport is closed."""
         self._abort(TransportError("the transport is closed."))
         self._closed.set()
+        os.write(self._wake[1], b"\0")
 
     def _watch(self) -> None:
         """Checks, while the op waits, that the peer it waits for is alive."""
-        while not self._closed.wait(shared_memory.CHECK_SECONDS):
+        while True:
+            woken, _, _ = select.select([self._wake[0]], [], [], shared_memory.CHECK_SECONDS)
+            if self._closed.is_set():
+                return
+            if woken:
+                os.read(self._wake[0], 64)
             if self._control[_COLLECTIVES]:
                 phases.enter(phases.TRAINING)  # every peer took part in a collective
             transport, peer = self.transport, self.waiting_for()

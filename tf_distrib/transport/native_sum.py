@@ -180,7 +180,6 @@ class NativeSum:
             line_bytes=shared_memory.LINE_BYTES, written=shared_memory.WRITTEN,
             summed=shared_memory.SUMMED)
         self._folded = np.zeros(3, np.int64)  # nanoseconds, collectives, bytes in `stats`
-        self._closed = threading.Event()
         self._watcher = threading.Thread(target=self._watch, daemon=True,
                                          name=f"tf_distrib-native-watch-{transport.rank}")
         self._watcher.start()
@@ -209,14 +208,14 @@ class NativeSum:
     def close(self) -> None:
         """Stops the watcher; the op fails from now on, saying the transport is closed."""
         self._abort(TransportError("the transport is closed."))
-        self._closed.set()
         os.write(self._wake[1], b"\0")
 
     def _watch(self) -> None:
-        """Checks, while the op waits, that the peer it waits for is alive."""
+        """Checks, while the op waits, that the peer it waits for is alive; ends once the op
+        is aborted (a lost peer, or `close`)."""
         while True:
             woken, _, _ = select.select([self._wake[0]], [], [], shared_memory.CHECK_SECONDS)
-            if self._closed.is_set():
+            if self._control[_ABORT]:
                 return
             if woken:
                 os.read(self._wake[0], 64)

@@ -96,3 +96,54 @@ def train_with_backup(backup_dir, epochs=3, save_freq=10, kill_at=None, kill_wor
             "replicas": strategy.num_replicas_in_sync,
             "iterations": int(model.optimizer.iterations.numpy()),
             "loss": history.history["loss"], "restored_step": backup.restored_step}
+
+
+def train_on_one_cpu():
+    """On a process of one CPU: the strategy `make_strategy()` returns, and a plain dataset's
+    training under it and under the default strategy (plain and K=4 accumulation); the
+    thread that tears a spent iterator of a dataset given to `fit` down."""
+    import threading
+    import time
+    import weakref
+
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import tf_distrib as td
+
+    strategy = td.make_strategy()
+    x = np.random.default_rng(0).random((32 * 12 + 5, 16), dtype=np.float32)
+    y = np.random.default_rng(1).integers(0, 4, len(x)).astype("int32")
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)  # finite, partial batch
+
+    def train(under, steps):
+        keras.utils.set_random_seed(0)
+        with under.scope():
+            model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(8, activation="relu"),
+                                      keras.layers.Dense(4)])
+            model.compile(keras.optimizers.Adam(0.01, gradient_accumulation_steps=steps),
+                          keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          metrics=["accuracy"])
+        history = model.fit(dataset, epochs=3, verbose=0)
+        return [w.numpy() for w in model.weights], history.history, model.evaluate(x, y, verbose=0)
+
+    same = {}
+    for steps in (None, 4):
+        ours, default = train(strategy, steps), train(tf.distribute.get_strategy(), steps)
+        same[steps] = (all(np.array_equal(a, b) for a, b in zip(ours[0], default[0], strict=True))
+                       and ours[1:] == default[1:])
+    distributed = strategy.experimental_distribute_dataset(dataset)
+    torn_down = []
+    spent = iter(distributed)
+    next(spent)
+    weakref.finalize(spent, lambda: torn_down.append(threading.current_thread().name))
+    fresh = iter(distributed)  # as Keras does at each epoch of a finite dataset
+    del spent
+    deadline = time.monotonic() + 30
+    while not torn_down and time.monotonic() < deadline:
+        time.sleep(0.05)
+    next(fresh)
+    return {"strategy": type(strategy).__name__, "same": same, "torn_down": torn_down,
+            "iterator": type(fresh._iterators[0]._iterator).__name__}
+

@@ -88,3 +88,20 @@ def test_the_keras_fix_is_scoped_to_tf_distrib_strategies():
     total = strategy.reduce("SUM", values, axis=None)
     np.testing.assert_allclose(total[0], [2, 2, 2])
     assert float(total[1]) == 4.0
+
+
+@pytest.mark.multiprocess
+def test_one_cpu_trains_as_the_default_strategy_without_stopping_at_each_epoch():
+    from tests._training import train_on_one_cpu
+    from tf_distrib.testing import run_workers
+
+    [worker] = run_workers(train_on_one_cpu, 1, quiet=True, timeout=180)
+    result = worker.value
+    assert result["strategy"] == "HostOneDeviceStrategy"
+    # Bitwise the default strategy's weights, losses and metrics, with and without
+    # gradient accumulation.
+    assert result["same"] == {None: True, 4: True}
+    # The spent iterator's teardown (which waits for tf.data's autotuning thread: ~1 s per
+    # epoch on one core) runs off the training thread, and no batch is copied per device.
+    assert result["torn_down"] == ["tf_distrib-iterator-reaper"]
+    assert result["iterator"] == "OwnedIterator"

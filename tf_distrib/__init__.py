@@ -29,6 +29,7 @@ _EXPORTS = {
     "use_logical_cpus": "tf_distrib.strategy",
     "KerasMultiWorkerMirroredStrategy": "tf_distrib.strategy",
     "HostMirroredStrategy": "tf_distrib.strategy",
+    "HostOneDeviceStrategy": "tf_distrib.strategy",
 }
 _SUBMODULES = ("callbacks", "chaos", "cluster", "cross_device", "data", "doctor",
                "integrations", "launch", "lr", "model_parallel", "strategy", "testing")

@@ -441,8 +441,10 @@ def _print(model: Model, runs: dict, report: dict) -> None:
         if name.startswith("1 worker, plain dataset"):
             wall = model.per_worker_batch / report["examples_per_sec"][name]
             idle = wall * 1e3 - report["cpu_ms_per_step"][name]
-            print(f"  {name}: {idle:.2f} ms of its {wall * 1e3:.2f} ms per step without CPU "
-                  "(the default strategy tears each epoch's iterator down at its end)")
+            why = (" (the default strategy tears each epoch's iterator down at its end)"
+                   if SETTINGS[name].strategy is None else "")
+            print(f"  {name}: {idle:.2f} ms of its {wall * 1e3:.2f} ms per step without "
+                  f"CPU{why}")
     print(f"  overhead floor (copy and sum of the gradients' halves, one process): "
           f"{report['all_reduce_floor_ms']:.2f} ms per all-reduce")
 

@@ -102,10 +102,6 @@ def train_on_one_cpu():
     """On a process of one CPU: the strategy `make_strategy()` returns, and a plain dataset's
     training under it and under the default strategy (plain and K=4 accumulation); the
     thread that tears a spent iterator of a dataset given to `fit` down."""
-    import threading
-    import time
-    import weakref
-
     import keras
     import numpy as np
     import tensorflow as tf
@@ -133,17 +129,31 @@ def train_on_one_cpu():
         ours, default = train(strategy, steps), train(tf.distribute.get_strategy(), steps)
         same[steps] = (all(np.array_equal(a, b) for a, b in zip(ours[0], default[0], strict=True))
                        and ours[1:] == default[1:])
-    distributed = strategy.experimental_distribute_dataset(dataset)
-    torn_down = []
-    spent = iter(distributed)
-    next(spent)
-    weakref.finalize(spent, lambda: torn_down.append(threading.current_thread().name))
-    fresh = iter(distributed)  # as Keras does at each epoch of a finite dataset
-    del spent
-    deadline = time.monotonic() + 30
-    while not torn_down and time.monotonic() < deadline:
-        time.sleep(0.05)
+    torn_down, fresh = tear_down_a_spent_iterator(
+        strategy.experimental_distribute_dataset(dataset))
     next(fresh)
     return {"strategy": type(strategy).__name__, "same": same, "torn_down": torn_down,
             "iterator": type(fresh._iterators[0]._iterator).__name__}
 
+
+def tear_down_a_spent_iterator(distributed):
+    """Drops an iterator of `distributed` after one batch, as Keras does at each epoch of a
+    finite dataset once it has made the next one.
+
+    Returns:
+        The names of the threads that tore it down within 30 s, and the next iterator.
+    """
+    import threading
+    import time
+    import weakref
+
+    torn_down = []
+    spent = iter(distributed)
+    next(spent)
+    weakref.finalize(spent, lambda: torn_down.append(threading.current_thread().name))
+    fresh = iter(distributed)
+    del spent
+    deadline = time.monotonic() + 30
+    while not torn_down and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return torn_down, fresh

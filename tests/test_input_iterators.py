@@ -6,14 +6,12 @@ import json
 import os
 import subprocess
 import sys
-import threading
-import time
-import weakref
 
 import pytest
 import tensorflow as tf
 
 import tf_distrib as td
+from tests._training import tear_down_a_spent_iterator
 from tf_distrib import _malloc
 
 # TensorFlow lowers the threshold once per process (when it first builds an input
@@ -86,17 +84,8 @@ def test_bad_threshold_names_the_variable(monkeypatch, value):
 
 def test_spent_iterators_are_torn_down_off_the_training_thread(monkeypatch):
     monkeypatch.delenv("TF_CONFIG", raising=False)
-    dataset = td.make_strategy().experimental_distribute_dataset(
-        tf.data.Dataset.range(8).batch(4))
-    torn_down = []
-    spent = iter(dataset)
-    next(spent)
-    weakref.finalize(spent, lambda: torn_down.append(threading.current_thread().name))
-    fresh = iter(dataset)  # as Keras does at each epoch of a finite dataset
-    del spent
-    deadline = time.monotonic() + 30
-    while not torn_down and time.monotonic() < deadline:
-        time.sleep(0.05)
+    torn_down, fresh = tear_down_a_spent_iterator(
+        td.make_strategy().experimental_distribute_dataset(tf.data.Dataset.range(8).batch(4)))
     assert torn_down == ["tf_distrib-iterator-reaper"]
     assert sorted(int(tf.reduce_sum(v)) for v in
                   td.make_strategy().experimental_local_results(next(fresh))) == [0, 1, 2, 3]

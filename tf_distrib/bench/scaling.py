@@ -437,12 +437,12 @@ def _print(model: Model, runs: dict, report: dict) -> None:
               f"{_spread(rounds):>16}")
     for name, scaling in report["also_against"].items():
         print(f"  {name}, against {ALSO_AGAINST[name]!r}: {scaling:.2f}x")
-    for name in runs:
-        if name.startswith("1 worker, plain dataset"):
+    for name, setting in SETTINGS.items():
+        if name in runs and setting.workers == 1 and setting.data == "plain":
             wall = model.per_worker_batch / report["examples_per_sec"][name]
             idle = wall * 1e3 - report["cpu_ms_per_step"][name]
             why = (" (the default strategy tears each epoch's iterator down at its end)"
-                   if SETTINGS[name].strategy is None else "")
+                   if setting.strategy is None else "")
             print(f"  {name}: {idle:.2f} ms of its {wall * 1e3:.2f} ms per step without "
                   f"CPU{why}")
     print(f"  overhead floor (copy and sum of the gradients' halves, one process): "

@@ -9,11 +9,21 @@
 // which the optimizer may then overwrite in place; numpy_function's results are views
 // TensorFlow may not overwrite, and that costs the optimizer a new buffer per step.
 //
+// What a worker writes into its slot only the others read, so it goes there with
+// non-temporal stores (x86-64), past this core's cache: the reader's loads then find the
+// lines in memory instead of snooping them out of the writer's cache, and the writer's
+// cache keeps its own data. Measured on the MLP of `bench scaling`, 2 workers x 1 core,
+// the two stores alternating by epoch within one run: 0.04-0.39 ms less CPU per step in
+// 9 of 10 worker-runs (medians of 15-19 pairs; the tenth +0.40 ms).
+//
 // The waits poll like the Python ones (spin, yield, sleep) and return an error once the
 // control block's abort word is set: the transport's watcher thread sets it when a peer
 // is lost, naming it in the block's message. The error is UNKNOWN, as a numpy_function's
 // exception is (TensorFlow rewrites UNAVAILABLE from ops that are not its own
 // communication ops into a message that drops the cause).
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 #include <sched.h>
 #include <time.h>
 #include <unistd.h>
@@ -51,7 +61,7 @@ int64_t Now() {
   return t.tv_sec * 1000000000LL + t.tv_nsec;
 }
 
-// The slot a worker sums into overlaps none of the addends: both loops vectorize.
+// The block a worker sums into overlaps none of the addends: both loops vectorize.
 template <typename T>
 void Add(T* __restrict sum, const T* __restrict a, const T* __restrict b, int64_t n) {
   for (int64_t j = 0; j < n; ++j) sum[j] = a[j] + b[j];
@@ -59,6 +69,33 @@ void Add(T* __restrict sum, const T* __restrict a, const T* __restrict b, int64_
 template <typename T>
 void AddTo(T* __restrict sum, const T* __restrict b, int64_t n) {
   for (int64_t j = 0; j < n; ++j) sum[j] += b[j];
+}
+
+// Copies `bytes` into shared memory that other cores read, with non-temporal stores
+// where the CPU has them; Fence() then orders them before the counter that publishes
+// them (a release store orders only ordinary stores).
+void CopyToShared(void* dst, const void* src, int64_t bytes) {
+  char* d = static_cast<char*>(dst);
+  const char* s = static_cast<const char*>(src);
+#if defined(__SSE2__)
+  const int64_t misaligned = reinterpret_cast<uintptr_t>(d) % 16;
+  const int64_t head = std::min(bytes, misaligned ? 16 - misaligned : int64_t{0});
+  std::memcpy(d, s, head);
+  int64_t i = head;
+  for (; i + 16 <= bytes; i += 16) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i),
+                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
+  }
+  std::memcpy(d + i, s + i, bytes - i);
+#else
+  std::memcpy(d, s, bytes);
+#endif
+}
+
+void Fence() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
 }
 
 int64_t Load(const int64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
@@ -158,12 +195,13 @@ class SharedSum : public OpKernel {
     const int64_t low = first + bounds[rank_], high = first + bounds[rank_ + 1];
     // The parts the others sum, into this worker's slot (padding stays unread).
     auto to_slot = [&](size_t i, int64_t at, int64_t count) {
-      std::memcpy(slots[rank_] + (at - first), in[i] + (at - start[i]), count * sizeof(T));
+      CopyToShared(slots[rank_] + (at - first), in[i] + (at - start[i]), count * sizeof(T));
     };
     Pieces(start, size, first, low, to_slot);
     Pieces(start, size, high, stop, to_slot);
     mine[1 + 2 * generation] = total * int64_t{sizeof(T)};
     mine[2 + 2 * generation] = dtype_code_;
+    Fence();
     Store(mine + written_, chunk);
     for (int r = 0; r < world_; ++r) {
       if (r == rank_) continue;
@@ -177,18 +215,22 @@ class SharedSum : public OpKernel {
             " bytes): the workers do not run the same model or step.");
       }
     }
-    // This worker's part, summed in rank order (as numpy does: bitwise the same sums)
-    // into its slot, then copied to its outputs a block at a time, while in cache.
+    // This worker's part, summed in rank order (as numpy does: bitwise the same sums) a
+    // block at a time into a buffer that stays in cache (an output may be its own input,
+    // forwarded), then copied to its outputs and to its slot.
+    std::vector<T> block(kBlock);
     Pieces(start, size, low, high, [&](size_t i, int64_t at, int64_t count) {
       for (int64_t done = 0; done < count; done += kBlock) {
         const int64_t n = std::min(kBlock, count - done), offset = at - first + done;
         const T* own = in[i] + (at - start[i]) + done;
-        T* sum = slots[rank_] + offset;
+        T* sum = block.data();
         Add(sum, rank_ == 0 ? own : slots[0] + offset, rank_ == 1 ? own : slots[1] + offset, n);
         for (int r = 2; r < world_; ++r) AddTo(sum, r == rank_ ? own : slots[r] + offset, n);
         std::memcpy(out[i] + (at - start[i]) + done, sum, n * sizeof(T));
+        CopyToShared(slots[rank_] + offset, sum, n * sizeof(T));
       }
     });
+    Fence();
     Store(mine + summed_, chunk);
     for (int r = 0; r < world_; ++r) {
       if (r != rank_) TF_RETURN_IF_ERROR(Wait(r, summed_, chunk));

@@ -10,11 +10,11 @@
 // TensorFlow may not overwrite, and that costs the optimizer a new buffer per step.
 //
 // What a worker writes into its slot only the others read, so it goes there with
-// non-temporal stores (x86-64), past this core's cache: the reader's loads then find the
-// lines in memory instead of snooping them out of the writer's cache, and the writer's
-// cache keeps its own data. Measured on the MLP of `bench scaling`, 2 workers x 1 core,
-// the two stores alternating by epoch within one run: 0.04-0.39 ms less CPU per step in
-// 9 of 10 worker-runs (medians of 15-19 pairs; the tenth +0.40 ms).
+// non-temporal stores (x86-64), past this core's cache, which keeps its own data and need
+// not hand each line over to the reader's core (the likely reason; not profiled). Measured
+// on the MLP of `bench scaling`, 2 workers x 1 core, the two stores alternating by epoch
+// within one run: 0.04-0.39 ms less CPU per step in 9 of 10 worker-runs (medians of 15-19
+// pairs; the tenth +0.40 ms).
 //
 // The waits poll like the Python ones (spin, yield, sleep) and return an error once the
 // control block's abort word is set: the transport's watcher thread sets it when a peer
@@ -218,7 +218,7 @@ class SharedSum : public OpKernel {
     // This worker's part, summed in rank order (as numpy does: bitwise the same sums) a
     // block at a time into a buffer that stays in cache (an output may be its own input,
     // forwarded), then copied to its outputs and to its slot.
-    std::vector<T> block(kBlock);
+    std::vector<T> block(std::min(kBlock, high - low));
     Pieces(start, size, low, high, [&](size_t i, int64_t at, int64_t count) {
       for (int64_t done = 0; done < count; done += kBlock) {
         const int64_t n = std::min(kBlock, count - done), offset = at - first + done;

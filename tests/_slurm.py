@@ -15,6 +15,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import time
 
@@ -60,6 +61,20 @@ def _cgroup_mounts() -> str:
         f"mkdir -p {point} && mount -t {kind} -o {options} {source} {point}"
         for source, point, kind, options in mounts
         if point == "/sys/fs/cgroup" or point.startswith("/sys/fs/cgroup/"))
+
+
+def slurm_port_base(tasks_per_node: int) -> int:
+    """A TF_DISTRIB_SLURM_PORT_BASE whose `tasks_per_node` ports are free (base + local id)."""
+    for _ in range(50):
+        base = free_ports(1)[0]
+        try:
+            for port in range(base, base + tasks_per_node):
+                with socket.socket() as s:
+                    s.bind(("0.0.0.0", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"found no {tasks_per_node} consecutive free ports")
 
 
 def missing() -> str | None:

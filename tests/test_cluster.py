@@ -1,4 +1,5 @@
 import json
+import socket
 import subprocess
 import sys
 
@@ -7,6 +8,7 @@ import pytest
 from tf_distrib import ClusterConfigError
 from tf_distrib.cluster import (
     expand_slurm_nodelist,
+    free_ports,
     from_environment,
     local_tf_configs,
     parse_tf_config,
@@ -119,6 +121,26 @@ def test_local_tf_configs():
     assert all(c["cluster"]["worker"] == workers for c in configs)
     with pytest.raises(ValueError, match="num_workers"):
         local_tf_configs(0)
+
+
+def test_free_ports_lie_below_the_ephemeral_range_and_bind_on_every_address():
+    # A port the kernel may give to an outgoing connection is not free for a server that
+    # starts seconds later (Slurm's controller once found its port taken that way).
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral = int(f.read().split()[0])
+    ports = free_ports(8)
+    assert len(set(ports)) == 8 and all(port < ephemeral for port in ports)
+    servers = []
+    try:
+        for port in ports:
+            servers.append(socket.create_server(("0.0.0.0", port)))
+        # A port held on the wildcard address is not offered again.
+        assert not set(free_ports(8)) & set(ports)
+    finally:
+        for server in servers:
+            server.close()
+    with pytest.raises(ValueError, match="n must be an integer >= 1"):
+        free_ports(0)
 
 
 def test_importing_tf_distrib_does_not_import_tensorflow():

@@ -9,7 +9,6 @@ that DNS names become 127.0.0.1 (with free ports, as both share one host).
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import time
 import pytest
 
 import tf_distrib as td
+from tests._slurm import slurm_port_base
 from tf_distrib import ClusterConfigError
 from tf_distrib.cluster import free_ports, from_environment
 
@@ -294,22 +294,9 @@ def test_vertex_chief_and_worker_train(tmp_path):
     check_trained_together(reports, [("chief", 0), ("worker", 0)])
 
 
-def consecutive_free_ports(n):
-    for _ in range(50):
-        base = free_ports(1)[0]
-        try:
-            for port in range(base, base + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError(f"found no {n} consecutive free ports")
-
-
 @pytest.mark.multiprocess
 def test_slurm_two_tasks_on_one_node_train(tmp_path):
-    base = consecutive_free_ports(2)
+    base = slurm_port_base(2)
     reports = run_processes([slurm_env(["127.0.0.1"], 2, r, port_base=base) for r in (0, 1)],
                             tmp_path)
     check_trained_together(reports, [("worker", 0), ("worker", 1)])
@@ -327,7 +314,7 @@ def test_example_script_trains_under_slurm_and_the_chief_saves_the_model(tmp_pat
     command = [sys.executable, os.path.join(EXAMPLES, "train.py"), "--backup-dir",
                str(tmp_path / "backup"), "--model-dir", str(tmp_path / "model"),
                "--epochs", "1", "--examples", "2048"]
-    base = consecutive_free_ports(2)
+    base = slurm_port_base(2)
     run_processes([slurm_env(["127.0.0.1"], 2, r, port_base=base) for r in (0, 1)],
                   tmp_path, command=command)
     model = keras.saving.load_model(tmp_path / "model" / "model.keras")

@@ -17,7 +17,6 @@ import pytest
 
 from tests import _slurm
 from tf_distrib import simulated_hosts
-from tf_distrib.cluster import free_ports
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slurm]
 
@@ -70,7 +69,8 @@ def launched(tmp_path_factory):
 
 def _submit(slurm, shared, *sbatch_options, nodes=1):
     env = {"SHARED": str(shared), "PATH": os.path.dirname(sys.executable) + os.pathsep
-           + os.environ["PATH"], "TF_DISTRIB_SLURM_PORT_BASE": str(free_ports(1)[0]),
+           + os.environ["PATH"],
+           "TF_DISTRIB_SLURM_PORT_BASE": str(_slurm.slurm_port_base(2 // nodes)),
            "TF_DISTRIB_HANG_TIMEOUT": str(HANG_TIMEOUT), "TF_CPP_MIN_LOG_LEVEL": "2",
            "TMPDIR": os.environ["TMPDIR"]}  # the test session's (tests/conftest.py)
     # The documented edits for small nodes: sbatch's own options override the script's.

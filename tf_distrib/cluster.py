@@ -19,6 +19,7 @@ import dataclasses
 import ipaddress
 import json
 import os
+import random
 import re
 import socket
 from collections.abc import Mapping
@@ -484,14 +485,60 @@ def _expand_slurm_counts(value: str) -> list[int]:
     return counts
 
 
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """Returns `n` distinct TCP ports that are free on `host` right now."""
-    sockets = []
+def _first_ephemeral_port() -> int:
+    """Where the range starts that the kernel hands to outgoing connections and port 0."""
     try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-            s.bind((host, 0))
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """Returns `n` distinct TCP ports that are free on every address of this machine now.
+
+    The ports lie below the kernel's ephemeral range: a port from that range could be
+    given to any outgoing connection between this check and the moment a server binds
+    it (a worker starting TensorFlow takes seconds), one below it only to another
+    listener. Each is checked by binding the wildcard address, as TensorFlow's gRPC
+    server and Slurm's daemons bind.
+
+    Args:
+        n: How many ports. Must be >= 1.
+        host: Selects the address family: IPv6 when it contains ":". Defaults to
+            "127.0.0.1".
+
+    Returns:
+        `n` distinct port numbers.
+
+    Example:
+
+    ```python
+    a, b = free_ports(2)
+    ```
+    """
+    check_int("n", n)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    wildcard = "::" if family == socket.AF_INET6 else "0.0.0.0"
+    top = _first_ephemeral_port()
+    below = range(max(1024, top - 16384), top)
+    # Its own generator: the caller's `random` sequence (a seeded notebook) stays as it was.
+    candidates = random.SystemRandom().sample(below, min(64 * n, len(below)))
+    sockets: list[socket.socket] = []
+    try:
+        for port in [*candidates, *[0] * n]:  # the kernel's choice when all are taken
+            if len(sockets) == n:
+                break
+            s = socket.socket(family)
+            try:
+                s.bind((wildcard, port))
+            except OSError:
+                s.close()
+                continue
             sockets.append(s)
+        if len(sockets) < n:
+            raise OSError(f"found {len(sockets)} of {n} free TCP ports on this machine; "
+                          "close the servers that hold them or pass ports explicitly")
         return [s.getsockname()[1] for s in sockets]
     finally:
         for s in sockets:

@@ -101,13 +101,19 @@ def train_with_backup(backup_dir, epochs=3, save_freq=10, kill_at=None, kill_wor
 def train_on_one_cpu():
     """On a process of one CPU: the strategy `make_strategy()` returns, and a plain dataset's
     training under it and under the default strategy (plain and K=4 accumulation); the
-    thread that tears a spent iterator of a dataset given to `fit` down."""
+    thread that tears a spent iterator of a dataset given to `fit` down; the warning of the
+    arguments one device ignores."""
+    import warnings
+
     import keras
     import numpy as np
     import tensorflow as tf
 
     import tf_distrib as td
 
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        td.make_strategy(compression="bf16", bucket_bytes=1 << 20)
     strategy = td.make_strategy()
     x = np.random.default_rng(0).random((32 * 12 + 5, 16), dtype=np.float32)
     y = np.random.default_rng(1).integers(0, 4, len(x)).astype("int32")
@@ -133,7 +139,8 @@ def train_on_one_cpu():
         strategy.experimental_distribute_dataset(dataset))
     next(fresh)
     return {"strategy": type(strategy).__name__, "same": same, "torn_down": torn_down,
-            "iterator": type(fresh._iterators[0]._iterator).__name__}
+            "iterator": type(fresh._iterators[0]._iterator).__name__,
+            "warnings": [str(w.message) for w in caught]}
 
 
 def tear_down_a_spent_iterator(distributed):

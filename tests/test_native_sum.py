@@ -131,7 +131,7 @@ def lose_a_peer_in_the_op(directory, how):
         graph_op.all_reduce(t, data)
     except tf.errors.UnknownError as e:
         lost = {"seconds": time.monotonic() - start, "error": e.message,
-                "failure": str(t.failure)}
+                "failure": str(t.failure), "recent": t.recent()}
     if t.rank == 0:
         time.sleep(1.0)  # the other survivor notices by itself, or is told
         with open(os.path.join(directory, "pid")) as f, contextlib.suppress(ProcessLookupError):
@@ -152,6 +152,12 @@ def test_a_lost_peer_fails_the_op_in_bounded_time_naming_it(tmp_path, how, limit
         assert lost["failure"] in lost["error"], lost
         if how == "SIGSTOP":
             assert "sent nothing for" in lost["error"]
+        # The flight recorder lists the op's collectives: the first ended, the lost one not.
+        done, stuck = lost["recent"][-2:]
+        assert (done["bytes"], stuck["bytes"], stuck["seq"]) == (400_000, 400_000,
+                                                                 done["seq"] + 1), lost
+        assert done["started"] <= done["ended"] <= stuck["started"], lost
+        assert stuck["ended"] is None, lost
 
 
 def sum_different_sizes(directory):

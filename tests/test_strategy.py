@@ -105,3 +105,8 @@ def test_one_cpu_trains_as_the_default_strategy_without_stopping_at_each_epoch()
     # epoch on one core) runs off the training thread, and no batch is copied per device.
     assert result["torn_down"] == ["tf_distrib-iterator-reaper"]
     assert result["iterator"] == "OwnedIterator"
+    assert result["warnings"] == [
+        "tf_distrib: make_strategy(compression=..., bucket_bytes=...) has no effect on one "
+        "CPU: there is nothing to reduce across devices; for several CPU replicas call "
+        "td.use_logical_cpus(n) before TensorFlow starts. Drop the argument for one-device "
+        "runs."]

@@ -295,6 +295,8 @@ def make_strategy(cross_device_ops: tf.distribute.CrossDeviceOps | None = None, 
       collective, halves throughput on CPU) and no per-device input prefetch.
     - Otherwise one CPU -> `HostOneDeviceStrategy`, a OneDeviceStrategy whose input
       iterators do not stop training at each epoch's end; one GPU -> the default strategy.
+      On one device `cross_device_ops`, `compression` and `bucket_bytes` have nothing to
+      reduce: a warning says so.
 
     Args:
         cross_device_ops: A `tf.distribute.CrossDeviceOps` for MirroredStrategy.
@@ -409,6 +411,16 @@ def make_strategy(cross_device_ops: tf.distribute.CrossDeviceOps | None = None, 
     gpus = tf.config.list_logical_devices("GPU")
     devices = gpus or tf.config.list_logical_devices("CPU")
     if len(devices) < 2:
+        ignored = [name for name, value in (("cross_device_ops", cross_device_ops),
+                                            ("compression", compression),
+                                            ("bucket_bytes", bucket_bytes)) if value is not None]
+        if ignored:
+            more = ("; for several CPU replicas call td.use_logical_cpus(n) before "
+                    "TensorFlow starts" if not gpus else "")
+            warnings.warn(
+                f"tf_distrib: make_strategy({', '.join(f'{name}=...' for name in ignored)}) "
+                f"has no effect on one {'GPU' if gpus else 'CPU'}: there is nothing to reduce "
+                f"across devices{more}. Drop the argument for one-device runs.", stacklevel=2)
         if gpus:  # its input path is TensorFlow's own, not measured by tf_distrib
             return tf.distribute.get_strategy()
         strategy = HostOneDeviceStrategy(devices[0].name)

@@ -312,8 +312,13 @@ class Transport:
         self._shm.all_gather(seq, layout, bounds, out)
 
     def recent(self) -> list[dict]:
-        """The last collectives (seq, bytes, started, ended: None while running), oldest first."""
-        return [dict(r) for r in self._recorder]
+        """The last collectives (seq, bytes, started, ended: None while running or failed),
+        oldest first, the native op's among them."""
+        records = [dict(r) for r in self._recorder]
+        if self.native is not None:
+            records = sorted([*records, *self.native.recent()],
+                             key=lambda r: r["started"])[-RECORDED:]
+        return records
 
     def waiting_for(self) -> list[str]:
         """The peers this worker is waiting for right now, inside a collective."""

@@ -48,18 +48,22 @@ using ::tensorflow::Tensor;
 
 // The control block (int64 words in the worker's own memory, see native_sum.py).
 constexpr int kAbort = 0, kWaitingFor = 1, kNanoseconds = 2, kCollectives = 3, kBytes = 4,
-              kWakeFd = 5;
+              kWakeFd = 5, kRecorded = 6;
 constexpr int kMessageOffset = 64, kMessageBytes = 960;
+// The flight recorder: a ring of the last collectives, each (number, bytes, started,
+// ended: 0 until it succeeds), wall-clock nanoseconds, after the abort message.
+constexpr int kRecorderWord = 128, kRecorderEntries = 64, kEntryWords = 4;
 // Elements summed, then copied out, at a time (16-32 KiB: the core's L1 cache).
 constexpr int64_t kBlock = 4096;
 // Polling, as shared_memory.py's `_poll`.
 constexpr int64_t kSpinNs = 20000, kYieldNs = 2000000, kSleepNs = 100000;
 
-int64_t Now() {
+int64_t Nanoseconds(clockid_t clock) {
   timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
+  clock_gettime(clock, &t);
   return t.tv_sec * 1000000000LL + t.tv_nsec;
 }
+int64_t Now() { return Nanoseconds(CLOCK_MONOTONIC); }
 
 // The block a worker sums into overlaps none of the addends: both loops vectorize.
 template <typename T>
@@ -142,11 +146,21 @@ class SharedSum : public OpKernel {
       start[i] = total;
       total += (size[i] + kStep - 1) / kStep * kStep;
     }
+    // Only this op writes the recorder (a transport's collectives run one at a time);
+    // the entry is complete before the count that shows it.
+    const int64_t recorded = Load(control_ + kRecorded);
+    int64_t* entry = control_ + kRecorderWord + recorded % kRecorderEntries * kEntryWords;
+    entry[0] = ctx->input(0).scalar<int64_t>()();
+    entry[1] = total * int64_t{sizeof(T)};
+    entry[2] = Nanoseconds(CLOCK_REALTIME);
+    entry[3] = 0;
+    Store(control_ + kRecorded, recorded + 1);
     const int64_t per_chunk = chunk_bytes_ / sizeof(T);
     for (int64_t first = 0; first < total; first += per_chunk) {
       OP_REQUIRES_OK(ctx, Chunk(first, std::min(total, first + per_chunk), total, in, out,
                                 start, size));
     }
+    Store(entry + 3, Nanoseconds(CLOCK_REALTIME));
     __atomic_add_fetch(control_ + kNanoseconds, Now() - began, __ATOMIC_RELAXED);
     if (__atomic_add_fetch(control_ + kCollectives, 1, __ATOMIC_RELAXED) == 1) {
       // The first: wake the watcher, which tells the launcher this worker trains (a full

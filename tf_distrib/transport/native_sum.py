@@ -21,7 +21,8 @@ transport and sets the op's abort word: the op fails with the same message, nami
 peer. The op wakes that thread through a pipe when its first collective completes, and
 the thread then reports the TRAINING phase (the launcher names the phase of a worker
 that stops; polling alone let a fast worker stop at its 15th step still "in its first
-step").
+step"). The op records its last 64 collectives in the control block, for the flight
+recorder's reports (`Transport.recent()`): the one a hung worker waits in has no end.
 
 Example (what `tf_distrib.transport.graph_op` does with a transport whose `native` is
 set):
@@ -53,9 +54,12 @@ from tf_distrib.transport.errors import TransportError
 SOURCE = os.path.join(os.path.dirname(__file__), "native_sum.cc")
 # A first build takes ~10 s on one core; its peers wait for it (`connect`'s timeout).
 BUILD_TIMEOUT_SECONDS = 60.0
-# The control block: int64 words, as native_sum.cc reads them, then the abort message.
-_ABORT, _WAITING_FOR, _NANOSECONDS, _COLLECTIVES, _BYTES, _WAKE_FD = range(6)
-_MESSAGE_OFFSET, _MESSAGE_BYTES, _CONTROL_BYTES = 64, 960, 1024
+# The control block: int64 words, as native_sum.cc reads them, the abort message, then
+# the flight recorder's ring (number, bytes, started, ended: wall-clock nanoseconds).
+_ABORT, _WAITING_FOR, _NANOSECONDS, _COLLECTIVES, _BYTES, _WAKE_FD, _RECORDED = range(7)
+_MESSAGE_OFFSET, _MESSAGE_BYTES = 64, 960
+_RECORDER_WORD, _RECORDER_ENTRIES, _ENTRY_WORDS = 128, 64, 4
+_CONTROL_BYTES = 8 * (_RECORDER_WORD + _RECORDER_ENTRIES * _ENTRY_WORDS)
 # Every bound segment, control block and wake pipe, kept until the process exits: a
 # traced step that still holds their addresses can run after its transport is gone, and
 # must then fail (the control block says the transport is closed), never touch unmapped
@@ -195,6 +199,16 @@ class NativeSum:
         """The rank the op waits for right now, or None."""
         peer = int(self._control[_WAITING_FOR]) - 1
         return peer if peer >= 0 else None
+
+    def recent(self) -> list[dict]:
+        """The op's last collectives, as `Transport.recent()` lists them, oldest first."""
+        count = int(self._control[_RECORDED])
+        ring = self._control[_RECORDER_WORD:].reshape(_RECORDER_ENTRIES, _ENTRY_WORDS)
+        entries = [ring[i % _RECORDER_ENTRIES].copy()
+                   for i in range(max(0, count - _RECORDER_ENTRIES), count)]
+        return [{"seq": int(seq), "bytes": int(nbytes), "started": started / 1e9,
+                 "ended": ended / 1e9 if ended else None}
+                for seq, nbytes, started, ended in entries]
 
     def fold_stats(self, stats) -> None:
         """Adds the op's collectives since the last call to `stats` (a `Stats`)."""

@@ -204,9 +204,9 @@ class NativeSum:
         """The op's last collectives, as `Transport.recent()` lists them, oldest first."""
         count = int(self._control[_RECORDED])
         ring = self._control[_RECORDER_WORD:].reshape(_RECORDER_ENTRIES, _ENTRY_WORDS)
-        entries = [ring[i % _RECORDER_ENTRIES].copy()
+        entries = [[int(word) for word in ring[i % _RECORDER_ENTRIES]]
                    for i in range(max(0, count - _RECORDER_ENTRIES), count)]
-        return [{"seq": int(seq), "bytes": int(nbytes), "started": started / 1e9,
+        return [{"seq": seq, "bytes": nbytes, "started": started / 1e9,
                  "ended": ended / 1e9 if ended else None}
                 for seq, nbytes, started, ended in entries]
 

@@ -46,7 +46,8 @@ def sum_both_ways(directory):
     # int64.
     layouts = [([1], np.float32), ([7, 1000], np.float32), ([65_537, 3, 250_000], np.float32),
                ([slot + 17], np.float32), ([1, 9, 1000], np.int64)]
-    report = {"native": t.native is not None, "digests": [], "equal": [], "exact": []}
+    report = {"native": t.native is not None, "digests": [], "equal": [], "exact": [],
+              "sgd": []}
     for sizes, dtype in layouts:
         mine = _addends(rank, sizes, dtype)
         native = [np.asarray(s) for s in graph_op.all_reduce(t, mine)]
@@ -54,6 +55,11 @@ def sum_both_ways(directory):
         again = [np.asarray(s) for s in graph_op.all_reduce(t, mine)]
         report["equal"].append(all(np.array_equal(a, b) and np.array_equal(a, c)
                                    for a, b, c in zip(native, python, again, strict=True)))
+        if dtype == np.float32:  # the SGD step fused into the op, as numpy rounds it
+            rate, weights = np.float32(0.1), _addends(world, sizes)
+            stepped = graph_op.sgd(t, rate, mine, weights)
+            report["sgd"].append(all(np.array_equal(np.asarray(u), w - s * rate)
+                                     for u, w, s in zip(stepped, weights, python, strict=True)))
         reference = [sum(_addends(r, sizes, dtype)[k].astype(np.float64) for r in range(world))
                      for k in range(len(sizes))]
         report["exact"].append(all(s.dtype == dtype and np.allclose(s, r, rtol=1e-5, atol=1e-4)
@@ -77,10 +83,69 @@ def test_the_op_sums_bitwise_as_the_python_path_on_every_worker(tmp_path, world)
         assert w.value["native"]
         assert w.value["equal"] == [True] * 5
         assert w.value["exact"] == [True] * 5
-        assert w.value["collectives"] == 3 * 5  # the op's collectives are counted too
+        assert w.value["sgd"] == [True] * 4
+        assert w.value["collectives"] == 3 * 5 + 4  # the op's collectives are counted too
         assert ("tf_distrib.transport.errors.TransportError: the transport is closed."
                 in w.value["after_close"])
     assert len({tuple(w.value["digests"]) for w in workers}) == 1
+
+
+def fit_with_sgd_fused_and_not():
+    """The same model trained with Keras' SGD (its step fused into the op) and with an SGD
+    whose `update_step` is overridden (Keras' own step), with and without accumulation; and
+    with momentum (never fused). Returns whether each pair ends bitwise equal, a digest of
+    the weights, and how many fused steps each training traced."""
+    import keras
+    import tensorflow as tf
+
+    import tf_distrib as td
+    from tf_distrib.transport.native_sum import NativeSum
+
+    traced = []
+    fused = NativeSum.sgd
+    NativeSum.sgd = lambda self, *args: traced.append(1) or fused(self, *args)
+
+    class KerasSGD(keras.optimizers.SGD):
+        def update_step(self, gradient, variable, learning_rate):
+            return super().update_step(gradient, variable, learning_rate)
+
+    strategy = td.make_strategy()
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((512, 20)).astype("float32"), rng.integers(0, 5, 512)
+    data = td.data.distribute_dataset(strategy, tf.data.Dataset.from_tensor_slices((x, y)),
+                                      64)
+
+    def train(optimizer, **kwargs):
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((20,)),
+                                      keras.layers.Dense(300, activation="relu"),
+                                      keras.layers.Dense(5)])
+            model.compile(optimizer(0.05, **kwargs),
+                          keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        before = len(traced)
+        model.fit(data, epochs=2, verbose=0)
+        return [w.numpy() for w in model.weights], len(traced) - before
+
+    report = {}
+    for steps in (None, 4):
+        (a, report[f"traced K={steps}"]), (b, _) = (
+            train(cls, gradient_accumulation_steps=steps)
+            for cls in (keras.optimizers.SGD, KerasSGD))
+        report[f"equal K={steps}"] = all(np.array_equal(u, v) for u, v in zip(a, b, strict=True))
+        report[f"digest K={steps}"] = hashlib.sha256(b"".join(w.tobytes() for w in a)).hexdigest()
+    _, report["traced with momentum"] = train(keras.optimizers.SGD, momentum=0.9)
+    return report
+
+
+def test_keras_sgd_fused_into_the_op_steps_bitwise_as_keras(tmp_path):
+    workers = run_workers(fit_with_sgd_fused_and_not, 2, startup_timeout=None, quiet=True,
+                          timeout=180)
+    a, b = (w.value for w in workers)
+    assert a == b  # every worker ends with the same weights
+    assert a["equal K=None"] and a["equal K=4"], a
+    assert a["traced K=None"] >= 1 and a["traced K=4"] >= 1, a
+    assert a["traced with momentum"] == 0, a
 
 
 def seconds_to_training(directory):

@@ -272,6 +272,7 @@ _STATIC = [
     ("tensorflow", "tensorflow.python.framework.ops", "Operation._add_control_input"),
     ("keras", "keras", "Model._symbolic_build"),
     ("keras", "keras", "Model._compute_loss"),
+    ("keras", "keras", "optimizers.SGD.update_step"),
     *[("keras", "keras.src.backend.tensorflow.optimizer", f"TFOptimizer.{name}")
       for name in ("_all_reduce_sum_gradients", "_backend_apply_gradients",
                    *(n for n in _ACCUMULATION_INTERNALS if n not in (

@@ -1,12 +1,14 @@
 """How Keras optimizers under `make_strategy()`'s strategies reach tf_distrib.
 
-Keras 3 leaves two things to the TensorFlow optimizer that tf.distribute users need
-changed, and tf_distrib routes exactly those two methods of Keras' `TFOptimizer`, for
-optimizers whose strategy `make_strategy()` made (`mark`); every other optimizer runs
-Keras' own code:
+Keras 3 leaves these to the TensorFlow optimizer, and tf_distrib routes exactly these
+methods of Keras' `TFOptimizer`, for optimizers whose strategy `make_strategy()` made
+(`mark`); every other optimizer runs Keras' own code:
 
 - `_all_reduce_sum_gradients`: the gradient all-reduce goes through the strategy's
   `GradientAllReduce` (buckets, compression, tf_distrib's transport), when it has one.
+- `_backend_update_step`, for Keras' `SGD` without momentum where the all-reduce runs in
+  the transport's native op: the update is fused into it (`GradientAllReduce.sgd`), each
+  worker computing its part of the new weights, bitwise Keras' step on the same sums.
 - `_backend_apply_gradients` with `gradient_accumulation_steps=K`: Keras runs the
   all-reduce inside a `tf.cond`, where tf.distribute cannot `merge_call`
   ("merge_call called while defining a new graph", keras-team/keras#16633). Here each
@@ -22,6 +24,7 @@ replaced on the class, once; they dispatch on the optimizer's strategy.
 
 from __future__ import annotations
 
+import keras
 import tensorflow as tf
 
 from tf_distrib import _compat
@@ -54,6 +57,7 @@ def install() -> None:
     _compat.patch_optimizer("_all_reduce_sum_gradients", _route_all_reduce, _FEATURE)
     _compat.patch_optimizer("_backend_apply_gradients", _route_apply,
                             "gradient_accumulation_steps under make_strategy()")
+    _compat.patch_optimizer("_backend_update_step", _route_update, _FEATURE)
 
 
 def _route_all_reduce(original):
@@ -70,6 +74,42 @@ def _route_all_reduce(original):
         return result
 
     return all_reduce_sum_gradients
+
+
+def _route_update(original):
+    def backend_update_step(self, grads, trainable_variables, learning_rate):
+        if not _fused_sgd(self, grads, trainable_variables, learning_rate):
+            original(self, grads, trainable_variables, learning_rate)
+
+    return backend_update_step
+
+
+def _fused_sgd(optimizer, grads, variables, learning_rate) -> bool:
+    """Keras' SGD step fused into the all-reduce (see the module's docstring), if it can be.
+
+    Returns:
+        Whether it ran (else nothing did).
+    """
+    strategy = _compat.optimizer_strategy(optimizer)
+    reduce = gradient_all_reduce(strategy)
+    if (reduce is None or not tf.distribute.get_replica_context()
+            or type(optimizer).update_step is not keras.optimizers.SGD.update_step
+            or optimizer.momentum != 0):
+        return False
+    variables = [v.value if isinstance(v, keras.Variable) else v for v in variables]
+    updated = reduce.sgd(keras.ops.cast(learning_rate, "float32"), list(grads), variables)
+    if updated is None:
+        return False
+
+    def assign(distribution, pairs):
+        for variable, value in pairs:
+            distribution.extended.update(
+                variable, lambda v, t: v.assign(t, read_value=False), args=(value,),
+                group=False)
+
+    tf.__internal__.distribute.interim.maybe_merge_call(
+        assign, strategy, list(zip(variables, updated, strict=True)))
+    return True
 
 
 def _route_apply(original):

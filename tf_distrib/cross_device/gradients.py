@@ -22,6 +22,7 @@ from tf_distrib._checks import check_int
 from tf_distrib.cross_device import bucketing
 from tf_distrib.cross_device.compression import (
     Compressor,
+    NoCompression,
     decode_sum,
     encode_for_sum,
     get_compressor,
@@ -57,6 +58,28 @@ class GradientAllReduce:
                 bucket_bytes = min(bucket_bytes, transport.in_place_bytes)
         self.bucket_bytes = check_int("bucket_bytes", bucket_bytes)
         self.transport = transport
+
+    def sgd(self, learning_rate, grads: list, variables: list) -> list | None:
+        """Keras' SGD step (no momentum) fused into the all-reduce, where it can be: the
+        transport's native op sums the gradients and each worker updates only its part of
+        the weights, then takes the others' parts, bitwise what `__call__` and Keras'
+        update would give. Dense float32 gradients and variables, no compression.
+
+        Args:
+            learning_rate: The step's learning rate (a float32 scalar).
+            grads: The replica's gradients.
+            variables: The `tf.Variable`s they update, one per gradient (only read).
+
+        Returns:
+            The new weights, or None where this all-reduce cannot fuse the step.
+        """
+        native = None if self.transport is None else self.transport.native
+        if native is None or not isinstance(self.compressor, NoCompression) or any(
+                isinstance(t, tf.IndexedSlices) or t.dtype != tf.float32
+                for t in (*grads, *variables)):
+            return None
+        return graph_op.sgd(self.transport, learning_rate, grads,
+                            [tf.convert_to_tensor(v) for v in variables])
 
     def __call__(self, grads: list) -> list:
         """All-reduces `grads` (SUM) in replica context; same structure out.

@@ -57,6 +57,19 @@ def all_reduce(transport: Transport, tensors: list[tf.Tensor]) -> list[tf.Tensor
         name="tf_distrib_all_reduce")), tensors)
 
 
+def sgd(transport: Transport, learning_rate, gradients: list[tf.Tensor],
+        weights: list[tf.Tensor]) -> list[tf.Tensor]:
+    """Keras' SGD step (no momentum) on the sums of `gradients` (float32) across the
+    workers, fused into the all-reduce by the transport's native op (`transport.native`
+    must be set).
+
+    Returns:
+        The new weights, one tensor per gradient, equal on every worker.
+    """
+    return list(_ordered(transport, lambda ticket: transport.native.sgd(
+        ticket, learning_rate, gradients, weights)))
+
+
 def all_reduce_buckets(transport: Transport, buckets: list[list[tf.Tensor]]) -> list[list]:
     """`all_reduce` of each bucket, in order; across hosts the buckets travel while the
     ops that do not need their sums still run (see the module's docstring).

@@ -54,6 +54,8 @@ from tf_distrib.transport.errors import TransportError
 SOURCE = os.path.join(os.path.dirname(__file__), "native_sum.cc")
 # A first build takes ~10 s on one core; its peers wait for it (`connect`'s timeout).
 BUILD_TIMEOUT_SECONDS = 60.0
+# No fused multiply-adds: the op's SGD step rounds as TensorFlow's multiply and subtract.
+_CXXFLAGS = ("-shared", "-fPIC", "-O3", "-ffp-contract=off", "-w")
 # The control block: int64 words, as native_sum.cc reads them, the abort message, then
 # the flight recorder's ring (number, bytes, started, ended: wall-clock nanoseconds).
 _ABORT, _WAITING_FOR, _NANOSECONDS, _COLLECTIVES, _BYTES, _WAKE_FD, _RECORDED = range(7)
@@ -110,7 +112,7 @@ def _built(tf) -> str:
     cxx = compiler()
     if cxx is None:
         raise OSError(f"no C++ compiler: {os.environ.get('CXX', 'c++')} is not on PATH")
-    flags = [*tf.sysconfig.get_compile_flags(), *tf.sysconfig.get_link_flags()]
+    flags = [*_CXXFLAGS, *tf.sysconfig.get_compile_flags(), *tf.sysconfig.get_link_flags()]
     with open(SOURCE, "rb") as f:
         source = f.read()
     key = hashlib.sha256(b"\0".join([source, tf.__version__.encode(), cxx.encode(),
@@ -126,7 +128,7 @@ def _built(tf) -> str:
             partial = f"{path}.{os.getpid()}.tmp"
             try:
                 done = subprocess.run(
-                    [cxx, "-shared", "-fPIC", "-O3", "-w", SOURCE, "-o", partial, *flags],
+                    [cxx, SOURCE, "-o", partial, *flags],
                     capture_output=True, text=True, timeout=BUILD_TIMEOUT_SECONDS)
                 if done.returncode != 0:
                     raise OSError(f"{os.path.basename(cxx)} exited with {done.returncode}: "
@@ -194,6 +196,19 @@ class NativeSum:
         code = shared_memory.dtype_code(np.dtype(tensors[0].dtype.as_numpy_dtype))
         return self._library.tf_distrib_shared_sum(ticket, tensors, dtype_code=code,
                                                    name="tf_distrib_all_reduce", **self._attrs)
+
+    def sgd(self, ticket, learning_rate, gradients, weights):
+        """Keras' SGD step (no momentum) on the sums over workers of `gradients` (float32):
+        `weights - sum * learning_rate`, each worker computing its part, after the op that
+        made `ticket`. Bitwise the step Keras takes on `all_reduce`'s sums.
+
+        Returns:
+            The new weights, one tensor per gradient.
+        """
+        return self._library.tf_distrib_shared_sgd(
+            ticket, learning_rate, gradients, weights,
+            dtype_code=shared_memory.dtype_code(np.dtype(np.float32)),
+            name="tf_distrib_all_reduce_sgd", **self._attrs)
 
     def waiting_for(self) -> int | None:
         """The rank the op waits for right now, or None."""

@@ -92,9 +92,9 @@ def test_the_op_sums_bitwise_as_the_python_path_on_every_worker(tmp_path, world)
 
 def fit_with_sgd_fused_and_not():
     """The same model trained with Keras' SGD (its step fused into the op) and with an SGD
-    whose `update_step` is overridden (Keras' own step), with and without accumulation; and
-    with momentum (never fused). Returns whether each pair ends bitwise equal, a digest of
-    the weights, and how many fused steps each training traced."""
+    whose `update_step` is overridden (Keras' own step): plain, with accumulation, with
+    clipping and weight decay; and with momentum (never fused). Returns whether each pair
+    ends bitwise equal, a digest of the weights, and how many fused steps each traced."""
     import keras
     import tensorflow as tf
 
@@ -128,23 +128,23 @@ def fit_with_sgd_fused_and_not():
         return [w.numpy() for w in model.weights], len(traced) - before
 
     report = {}
-    for steps in (None, 4):
-        (a, report[f"traced K={steps}"]), (b, _) = (
-            train(cls, gradient_accumulation_steps=steps)
-            for cls in (keras.optimizers.SGD, KerasSGD))
-        report[f"equal K={steps}"] = all(np.array_equal(u, v) for u, v in zip(a, b, strict=True))
-        report[f"digest K={steps}"] = hashlib.sha256(b"".join(w.tobytes() for w in a)).hexdigest()
+    for label, kwargs in (("plain", {}), ("K=4", {"gradient_accumulation_steps": 4}),
+                          ("clipped, decayed", {"clipnorm": 0.5, "weight_decay": 0.01})):
+        (a, report[f"traced {label}"]), (b, _) = (train(cls, **kwargs)
+                                                  for cls in (keras.optimizers.SGD, KerasSGD))
+        report[f"equal {label}"] = all(np.array_equal(u, v) for u, v in zip(a, b, strict=True))
+        report[f"digest {label}"] = hashlib.sha256(b"".join(w.tobytes() for w in a)).hexdigest()
     _, report["traced with momentum"] = train(keras.optimizers.SGD, momentum=0.9)
     return report
 
 
-def test_keras_sgd_fused_into_the_op_steps_bitwise_as_keras(tmp_path):
+def test_keras_sgd_fused_into_the_op_steps_bitwise_as_keras():
     workers = run_workers(fit_with_sgd_fused_and_not, 2, startup_timeout=None, quiet=True,
                           timeout=180)
     a, b = (w.value for w in workers)
     assert a == b  # every worker ends with the same weights
-    assert a["equal K=None"] and a["equal K=4"], a
-    assert a["traced K=None"] >= 1 and a["traced K=4"] >= 1, a
+    for label in ("plain", "K=4", "clipped, decayed"):
+        assert a[f"equal {label}"] and a[f"traced {label}"] >= 1, a
     assert a["traced with momentum"] == 0, a
 
 

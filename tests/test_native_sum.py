@@ -55,11 +55,19 @@ def sum_both_ways(directory):
         again = [np.asarray(s) for s in graph_op.all_reduce(t, mine)]
         report["equal"].append(all(np.array_equal(a, b) and np.array_equal(a, c)
                                    for a, b, c in zip(native, python, again, strict=True)))
-        if dtype == np.float32:  # the SGD step fused into the op, as numpy rounds it
-            rate, weights = np.float32(0.1), _addends(world, sizes)
+        if dtype == np.float32:  # the SGD steps fused into the op, as numpy rounds them
+            rate, momentum = np.float32(0.1), np.float32(0.9)
+            weights, velocities = _addends(world, sizes), _addends(world + 1, sizes)
             stepped = graph_op.sgd(t, rate, mine, weights)
-            report["sgd"].append(all(np.array_equal(np.asarray(u), w - s * rate)
-                                     for u, w, s in zip(stepped, weights, python, strict=True)))
+            accelerated = graph_op.sgd(t, rate, mine, weights, momentum=momentum,
+                                       velocities=velocities)
+            expected = [m * momentum - s * rate for m, s in zip(velocities, python, strict=True)]
+            expected = [*(w + v for w, v in zip(weights, expected, strict=True)), *expected]
+            report["sgd"].append(
+                all(np.array_equal(np.asarray(u), w - s * rate)
+                    for u, w, s in zip(stepped, weights, python, strict=True))
+                and all(np.array_equal(np.asarray(u), e)
+                        for u, e in zip(accelerated, expected, strict=True)))
         reference = [sum(_addends(r, sizes, dtype)[k].astype(np.float64) for r in range(world))
                      for k in range(len(sizes))]
         report["exact"].append(all(s.dtype == dtype and np.allclose(s, r, rtol=1e-5, atol=1e-4)
@@ -84,16 +92,23 @@ def test_the_op_sums_bitwise_as_the_python_path_on_every_worker(tmp_path, world)
         assert w.value["equal"] == [True] * 5
         assert w.value["exact"] == [True] * 5
         assert w.value["sgd"] == [True] * 4
-        assert w.value["collectives"] == 3 * 5 + 4  # the op's collectives are counted too
+        assert w.value["collectives"] == 3 * 5 + 2 * 4  # the op's are counted too
         assert ("tf_distrib.transport.errors.TransportError: the transport is closed."
                 in w.value["after_close"])
     assert len({tuple(w.value["digests"]) for w in workers}) == 1
 
 
+SGD_SETTINGS = {"plain": {}, "K=4": {"gradient_accumulation_steps": 4},
+                "clipped, decayed": {"clipnorm": 0.5, "weight_decay": 0.01},
+                "momentum": {"momentum": 0.9},
+                "Nesterov, K=2": {"momentum": 0.5, "nesterov": True,
+                                  "gradient_accumulation_steps": 2}}
+
+
 def fit_with_sgd_fused_and_not():
     """The same model trained with Keras' SGD (its step fused into the op) and with an SGD
     whose `update_step` is overridden (Keras' own step): plain, with accumulation, with
-    clipping and weight decay; and with momentum (never fused). Returns whether each pair
+    clipping and weight decay, with momentum, with Nesterov's. Returns whether each pair
     ends bitwise equal, a digest of the weights, and how many fused steps each traced."""
     import keras
     import tensorflow as tf
@@ -103,7 +118,7 @@ def fit_with_sgd_fused_and_not():
 
     traced = []
     fused = NativeSum.sgd
-    NativeSum.sgd = lambda self, *args: traced.append(1) or fused(self, *args)
+    NativeSum.sgd = lambda self, *args, **kwargs: traced.append(1) or fused(self, *args, **kwargs)
 
     class KerasSGD(keras.optimizers.SGD):
         def update_step(self, gradient, variable, learning_rate):
@@ -128,13 +143,11 @@ def fit_with_sgd_fused_and_not():
         return [w.numpy() for w in model.weights], len(traced) - before
 
     report = {}
-    for label, kwargs in (("plain", {}), ("K=4", {"gradient_accumulation_steps": 4}),
-                          ("clipped, decayed", {"clipnorm": 0.5, "weight_decay": 0.01})):
-        (a, report[f"traced {label}"]), (b, _) = (train(cls, **kwargs)
-                                                  for cls in (keras.optimizers.SGD, KerasSGD))
+    for label, kwargs in SGD_SETTINGS.items():
+        (a, report[f"traced {label}"]), (b, report[f"Keras' step traced {label}"]) = (
+            train(cls, **kwargs) for cls in (keras.optimizers.SGD, KerasSGD))
         report[f"equal {label}"] = all(np.array_equal(u, v) for u, v in zip(a, b, strict=True))
         report[f"digest {label}"] = hashlib.sha256(b"".join(w.tobytes() for w in a)).hexdigest()
-    _, report["traced with momentum"] = train(keras.optimizers.SGD, momentum=0.9)
     return report
 
 
@@ -143,9 +156,9 @@ def test_keras_sgd_fused_into_the_op_steps_bitwise_as_keras():
                           timeout=180)
     a, b = (w.value for w in workers)
     assert a == b  # every worker ends with the same weights
-    for label in ("plain", "K=4", "clipped, decayed"):
+    for label in SGD_SETTINGS:
         assert a[f"equal {label}"] and a[f"traced {label}"] >= 1, a
-    assert a["traced with momentum"] == 0, a
+        assert a[f"Keras' step traced {label}"] == 0, a
 
 
 def seconds_to_training(directory):

@@ -213,6 +213,11 @@ def optimizer_strategy(optimizer):
     return _require(optimizer, "_distribution_strategy", "the gradient path", "keras")
 
 
+def variable_index(optimizer):
+    """Keras' `optimizer._get_variable_index`: a variable's place in its slot lists."""
+    return _require(optimizer, "_get_variable_index", "the fused SGD step", "keras")
+
+
 def accumulation_internals(optimizer) -> types.SimpleNamespace:
     """The Keras optimizer internals gradient accumulation uses, as attributes."""
     feature = "gradient_accumulation_steps under make_strategy()"

@@ -6,9 +6,9 @@ methods of Keras' `TFOptimizer`, for optimizers whose strategy `make_strategy()`
 
 - `_all_reduce_sum_gradients`: the gradient all-reduce goes through the strategy's
   `GradientAllReduce` (buckets, compression, tf_distrib's transport), when it has one.
-- `_backend_update_step`, for Keras' `SGD` without momentum where the all-reduce runs in
-  the transport's native op: the update is fused into it (`GradientAllReduce.sgd`), each
-  worker computing its part of the new weights, bitwise Keras' step on the same sums.
+- `_backend_update_step`, for Keras' `SGD` where the all-reduce runs in the transport's
+  native op: the update is fused into it (`GradientAllReduce.sgd`), each worker computing
+  its part of the new weights and velocities, bitwise Keras' step on the same sums.
 - `_backend_apply_gradients` with `gradient_accumulation_steps=K`: Keras runs the
   all-reduce inside a `tf.cond`, where tf.distribute cannot `merge_call`
   ("merge_call called while defining a new graph", keras-team/keras#16633). Here each
@@ -93,13 +93,19 @@ def _fused_sgd(optimizer, grads, variables, learning_rate) -> bool:
     strategy = _compat.optimizer_strategy(optimizer)
     reduce = gradient_all_reduce(strategy)
     if (reduce is None or not tf.distribute.get_replica_context()
-            or type(optimizer).update_step is not keras.optimizers.SGD.update_step
-            or optimizer.momentum != 0):
+            or type(optimizer).update_step is not keras.optimizers.SGD.update_step):
         return False
+    velocities, momentum = None, None
+    if optimizer.momentum != 0:
+        index = _compat.variable_index(optimizer)
+        velocities = [optimizer.momentums[index(v)].value for v in variables]
+        momentum = keras.ops.cast(optimizer.momentum, "float32")
     variables = [v.value if isinstance(v, keras.Variable) else v for v in variables]
-    updated = reduce.sgd(keras.ops.cast(learning_rate, "float32"), list(grads), variables)
+    updated = reduce.sgd(keras.ops.cast(learning_rate, "float32"), list(grads), variables,
+                         momentum=momentum, velocities=velocities, nesterov=optimizer.nesterov)
     if updated is None:
         return False
+    variables += velocities or []
 
     def assign(distribution, pairs):
         for variable, value in pairs:

@@ -59,27 +59,35 @@ class GradientAllReduce:
         self.bucket_bytes = check_int("bucket_bytes", bucket_bytes)
         self.transport = transport
 
-    def sgd(self, learning_rate, grads: list, variables: list) -> list | None:
-        """Keras' SGD step (no momentum) fused into the all-reduce, where it can be: the
-        transport's native op sums the gradients and each worker updates only its part of
-        the weights, then takes the others' parts, bitwise what `__call__` and Keras'
+    def sgd(self, learning_rate, grads: list, variables: list, momentum=None,
+            velocities: list | None = None, nesterov: bool = False) -> list | None:
+        """Keras' SGD step fused into the all-reduce, where it can be: the transport's
+        native op sums the gradients and each worker updates only its part of the weights
+        (and velocities), then takes the others' parts, bitwise what `__call__` and Keras'
         update would give. Dense float32 gradients and variables, no compression.
 
         Args:
             learning_rate: The step's learning rate (a float32 scalar).
             grads: The replica's gradients.
             variables: The `tf.Variable`s they update, one per gradient (only read).
+            momentum: The momentum (a float32 scalar), with `velocities`. Defaults to None.
+            velocities: The momentum's `tf.Variable`s, one per gradient. Defaults to None.
+            nesterov: Nesterov's momentum. Defaults to False.
 
         Returns:
-            The new weights, or None where this all-reduce cannot fuse the step.
+            The new weights, then the new velocities if any; or None where this all-reduce
+            cannot fuse the step.
         """
         native = None if self.transport is None else self.transport.native
         if native is None or not isinstance(self.compressor, NoCompression) or any(
                 isinstance(t, tf.IndexedSlices) or t.dtype != tf.float32
-                for t in (*grads, *variables)):
+                for t in (*grads, *variables, *(velocities or ()))):
             return None
+        if velocities is not None:
+            velocities = [tf.convert_to_tensor(v) for v in velocities]
         return graph_op.sgd(self.transport, learning_rate, grads,
-                            [tf.convert_to_tensor(v) for v in variables])
+                            [tf.convert_to_tensor(v) for v in variables], momentum=momentum,
+                            velocities=velocities, nesterov=nesterov)
 
     def __call__(self, grads: list) -> list:
         """All-reduces `grads` (SUM) in replica context; same structure out.

@@ -58,16 +58,17 @@ def all_reduce(transport: Transport, tensors: list[tf.Tensor]) -> list[tf.Tensor
 
 
 def sgd(transport: Transport, learning_rate, gradients: list[tf.Tensor],
-        weights: list[tf.Tensor]) -> list[tf.Tensor]:
-    """Keras' SGD step (no momentum) on the sums of `gradients` (float32) across the
-    workers, fused into the all-reduce by the transport's native op (`transport.native`
-    must be set).
+        weights: list[tf.Tensor], **momentum) -> list[tf.Tensor]:
+    """Keras' SGD step on the sums of `gradients` (float32) across the workers, fused into
+    the all-reduce by the transport's native op (`transport.native` must be set); the
+    momentum's arguments as `NativeSum.sgd` takes them.
 
     Returns:
-        The new weights, one tensor per gradient, equal on every worker.
+        The new weights, one tensor per gradient, then the new velocities if any; equal on
+        every worker.
     """
     return list(_ordered(transport, lambda ticket: transport.native.sgd(
-        ticket, learning_rate, gradients, weights)))
+        ticket, learning_rate, gradients, weights, **momentum)))
 
 
 def all_reduce_buckets(transport: Transport, buckets: list[list[tf.Tensor]]) -> list[list]:

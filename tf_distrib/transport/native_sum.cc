@@ -16,12 +16,13 @@
 // within one run: 0.04-0.39 ms less CPU per step in 9 of 10 worker-runs (medians of 15-19
 // pairs; the tenth +0.40 ms).
 //
-// TfDistribSharedSgd runs the same collective and applies plain SGD (Keras' `SGD` without
-// momentum) on the way: each worker turns its own part's sum into the new weights (`w -
-// sum * learning_rate`, rounded as Keras' multiply and subtract round), which go to its
-// outputs and its slot, and copies the others' new weights out of their slots. Each
-// worker updates only its part: the update's arithmetic and memory traffic are split
-// between the workers, and the sums are never written out whole.
+// TfDistribSharedSgd and TfDistribSharedMomentum run the same collective and take Keras'
+// `SGD` step on the way (without momentum; with it, plain or Nesterov): each worker turns
+// its own part's sum into the new weights (and velocities), rounded as Keras' multiplies,
+// adds and subtracts round, which go to its outputs and its slot (the velocities to the
+// slot's second half: a chunk is then half a slot), and copies the others' new values out
+// of their slots. Each worker updates only its part: the update's arithmetic and memory
+// traffic are split between the workers, and the sums are never written out whole.
 //
 // The waits poll like the Python ones (spin, yield, sleep) and return an error once the
 // control block's abort word is set: the transport's watcher thread sets it when a peer
@@ -81,11 +82,22 @@ template <typename T>
 void AddTo(T* __restrict sum, const T* __restrict b, int64_t n) {
   for (int64_t j = 0; j < n; ++j) sum[j] += b[j];
 }
-// Keras' SGD step, `w - g * learning_rate`: two roundings (the build turns contraction
-// into fused multiply-adds off), bitwise TensorFlow's multiply then subtract.
+// Keras' SGD steps, each operation rounded as TensorFlow's kernels round it (the build
+// turns contracting them into fused multiply-adds off). Without momentum `w - g * rate`;
+// with it `m' = m * momentum - g * rate`, then `w + m'`, or Nesterov's
+// `w + (m' * momentum - g * rate)`. The sum `g` is overwritten with the new weights.
 template <typename T>
-void Descend(T* __restrict sum, const T* __restrict w, T rate, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) sum[j] = w[j] - sum[j] * rate;
+void Descend(T* __restrict g, const T* __restrict w, T rate, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) g[j] = w[j] - g[j] * rate;
+}
+template <typename T>
+void Accelerate(T* __restrict g, T* __restrict velocity, const T* __restrict w,
+                const T* __restrict m, T rate, T momentum, bool nesterov, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    const T step = g[j] * rate, v = m[j] * momentum - step;
+    velocity[j] = v;
+    g[j] = w[j] + (nesterov ? v * momentum - step : v);
+  }
 }
 
 // Copies `bytes` into shared memory that other cores read, with non-temporal stores
@@ -118,13 +130,29 @@ void Fence() {
 int64_t Load(const int64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 void Store(int64_t* p, int64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 
-// kSgd: TfDistribSharedSgd (inputs: ticket, learning rate, gradients, weights), else
-// TfDistribSharedSum (inputs: ticket, tensors).
-template <typename T, bool kSgd>
+// What the op does with each sum: return it (TfDistribSharedSum: ticket, tensors), or
+// take Keras' SGD step (TfDistribSharedSgd: ticket, learning rate, gradients, weights;
+// TfDistribSharedMomentum: ticket, learning rate, momentum, gradients, weights,
+// velocities, then the new velocities as outputs after the new weights).
+enum Update { kSum, kSgd, kMomentum };
+
+template <typename T, Update kUpdate>
 class SharedSum : public OpKernel {
   // Tensors and parts start on 64-byte lines, as in shared_memory.py and buffers.py.
   static constexpr int64_t kStep = 64 / sizeof(T);
-  static constexpr int kFirst = kSgd ? 2 : 1;  // the first summed input
+  static constexpr int kFirst = kUpdate == kSum ? 1 : kUpdate == kSgd ? 2 : 3;
+  // Inputs and outputs per gradient; every output also travels through the slots.
+  static constexpr int kInputs = kUpdate == kSum ? 1 : kUpdate == kSgd ? 2 : 3;
+  static constexpr int kOutputs = kUpdate == kMomentum ? 2 : 1;
+
+  // One call's tensors: the addends, an update's current values, the outputs (k * n + i:
+  // output k of tensor i), each tensor's place in the flat layout.
+  struct Arrays {
+    std::vector<const T*> in, weights, velocities;
+    std::vector<T*> out;
+    std::vector<int64_t> start, size;
+    T rate = 0, momentum = 0;
+  };
 
  public:
   explicit SharedSum(OpKernelConstruction* c) : OpKernel(c) {
@@ -140,6 +168,7 @@ class SharedSum : public OpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("written", &written_));
     OP_REQUIRES_OK(c, c->GetAttr("summed", &summed_));
     OP_REQUIRES_OK(c, c->GetAttr("dtype_code", &dtype_code_));
+    if (kUpdate == kMomentum) OP_REQUIRES_OK(c, c->GetAttr("nesterov", &nesterov_));
     segment_ = reinterpret_cast<char*>(segment);
     control_ = reinterpret_cast<int64_t*>(control);
   }
@@ -147,29 +176,37 @@ class SharedSum : public OpKernel {
   void Compute(OpKernelContext* ctx) override {
     OP_REQUIRES_OK(ctx, Aborted());
     const int64_t began = Now();
-    const int n = (ctx->num_inputs() - kFirst) / (kSgd ? 2 : 1);
-    std::vector<const T*> in(n), weights(kSgd ? n : 0);
-    std::vector<T*> out(n);
-    std::vector<int64_t> start(n), size(n);
+    const int n = (ctx->num_inputs() - kFirst) / kInputs;
+    Arrays a;
+    a.in.resize(n);
+    a.out.resize(kOutputs * n);
+    a.start.resize(n);
+    a.size.resize(n);
+    if (kUpdate != kSum) a.rate = ctx->input(1).scalar<T>()();
+    if (kUpdate == kMomentum) a.momentum = ctx->input(2).scalar<T>()();
     int64_t total = 0;  // the flat layout's elements, each tensor on a 64-byte line
     for (int i = 0; i < n; ++i) {
       const Tensor& t = ctx->input(kFirst + i);
-      if (kSgd) {
-        const Tensor& w = ctx->input(kFirst + n + i);
-        OP_REQUIRES(ctx, w.shape() == t.shape(),
+      for (int k = 1; k < kInputs; ++k) {
+        const Tensor& value = ctx->input(kFirst + k * n + i);
+        OP_REQUIRES(ctx, value.shape() == t.shape(),
                     ::tensorflow::errors::InvalidArgument(
-                        "gradient ", i, " has shape ", t.shape().DebugString(),
-                        ", its weights ", w.shape().DebugString()));
-        weights[i] = w.flat<T>().data();
+                        "gradient ", i, " has shape ", t.shape().DebugString(), ", its ",
+                        k == 1 ? "weights " : "velocities ", value.shape().DebugString()));
+        (k == 1 ? a.weights : a.velocities).push_back(value.flat<T>().data());
       }
-      Tensor* o = nullptr;
-      OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({kFirst + i}, i, t.shape(),
-                                                                &o));
-      in[i] = t.flat<T>().data();
-      out[i] = o->flat<T>().data();
-      size[i] = t.NumElements();
-      start[i] = total;
-      total += (size[i] + kStep - 1) / kStep * kStep;
+      for (int k = 0; k < kOutputs; ++k) {
+        Tensor* o = nullptr;
+        // The weights (or sums) may take the gradient's buffer.
+        OP_REQUIRES_OK(ctx, k == 0 ? ctx->forward_input_or_allocate_output(
+                                         {kFirst + i}, i, t.shape(), &o)
+                                   : ctx->allocate_output(k * n + i, t.shape(), &o));
+        a.out[k * n + i] = o->flat<T>().data();
+      }
+      a.in[i] = t.flat<T>().data();
+      a.size[i] = t.NumElements();
+      a.start[i] = total;
+      total += (a.size[i] + kStep - 1) / kStep * kStep;
     }
     // Only this op writes the recorder (a transport's collectives run one at a time);
     // the entry is complete before the count that shows it.
@@ -180,11 +217,11 @@ class SharedSum : public OpKernel {
     entry[2] = Nanoseconds(CLOCK_REALTIME);
     entry[3] = 0;
     Store(control_ + kRecorded, recorded + 1);
-    const T rate = kSgd ? ctx->input(1).scalar<T>()() : T{0};
-    const int64_t per_chunk = chunk_bytes_ / sizeof(T);
+    // Each output has its region of the slot, on a 64-byte line.
+    const int64_t per_chunk = chunk_bytes_ / sizeof(T) / kOutputs / kStep * kStep;
     for (int64_t first = 0; first < total; first += per_chunk) {
-      OP_REQUIRES_OK(ctx, Chunk(first, std::min(total, first + per_chunk), total, in, out,
-                                weights, rate, start, size));
+      OP_REQUIRES_OK(ctx, Chunk(first, std::min(total, first + per_chunk), total, per_chunk,
+                                a));
     }
     Store(entry + 3, Nanoseconds(CLOCK_REALTIME));
     __atomic_add_fetch(control_ + kNanoseconds, Now() - began, __ATOMIC_RELAXED);
@@ -217,12 +254,12 @@ class SharedSum : public OpKernel {
     }
   }
 
-  ::tensorflow::Status Chunk(int64_t first, int64_t stop, int64_t total,
-                             const std::vector<const T*>& in,
-                             const std::vector<T*>& out,
-                             const std::vector<const T*>& weights, T rate,
-                             const std::vector<int64_t>& start,
-                             const std::vector<int64_t>& size) {
+  // `region`: the elements between the starts of an output's regions in a slot.
+  ::tensorflow::Status Chunk(int64_t first, int64_t stop, int64_t total, int64_t region,
+                             const Arrays& a) {
+    const std::vector<int64_t>& start = a.start;
+    const std::vector<int64_t>& size = a.size;
+    const int n_tensors = static_cast<int>(a.in.size());
     const int64_t elements = stop - first;
     std::vector<int64_t> bounds(world_ + 1);
     for (int r = 0; r <= world_; ++r) {
@@ -237,7 +274,7 @@ class SharedSum : public OpKernel {
     const int64_t low = first + bounds[rank_], high = first + bounds[rank_ + 1];
     // The parts the others sum, into this worker's slot (padding stays unread).
     auto to_slot = [&](size_t i, int64_t at, int64_t count) {
-      CopyToShared(slots[rank_] + (at - first), in[i] + (at - start[i]), count * sizeof(T));
+      CopyToShared(slots[rank_] + (at - first), a.in[i] + (at - start[i]), count * sizeof(T));
     };
     Pieces(start, size, first, low, to_slot);
     Pieces(start, size, high, stop, to_slot);
@@ -260,17 +297,26 @@ class SharedSum : public OpKernel {
     // This worker's part, summed in rank order (as numpy does: bitwise the same sums) a
     // block at a time into a buffer that stays in cache (an output may be its own input,
     // forwarded), updated there with SGD, then copied to its outputs and to its slot.
-    std::vector<T> block(std::min(kBlock, high - low));
+    const int64_t block_size = std::min(kBlock, high - low);
+    std::vector<T> block(kOutputs * block_size);
     Pieces(start, size, low, high, [&](size_t i, int64_t at, int64_t count) {
       for (int64_t done = 0; done < count; done += kBlock) {
         const int64_t n = std::min(kBlock, count - done), offset = at - first + done;
-        const T* own = in[i] + (at - start[i]) + done;
+        const int64_t own_at = (at - start[i]) + done;
+        const T* own = a.in[i] + own_at;
         T* sum = block.data();
         Add(sum, rank_ == 0 ? own : slots[0] + offset, rank_ == 1 ? own : slots[1] + offset, n);
         for (int r = 2; r < world_; ++r) AddTo(sum, r == rank_ ? own : slots[r] + offset, n);
-        if (kSgd) Descend(sum, weights[i] + (at - start[i]) + done, rate, n);
-        std::memcpy(out[i] + (at - start[i]) + done, sum, n * sizeof(T));
-        CopyToShared(slots[rank_] + offset, sum, n * sizeof(T));
+        if (kUpdate == kSgd) Descend(sum, a.weights[i] + own_at, a.rate, n);
+        if (kUpdate == kMomentum) {
+          Accelerate(sum, sum + block_size, a.weights[i] + own_at, a.velocities[i] + own_at,
+                     a.rate, a.momentum, nesterov_, n);
+        }
+        for (int k = 0; k < kOutputs; ++k) {
+          std::memcpy(a.out[k * n_tensors + i] + own_at, sum + k * block_size, n * sizeof(T));
+          CopyToShared(slots[rank_] + k * region + offset, sum + k * block_size,
+                       n * sizeof(T));
+        }
       }
     });
     Fence();
@@ -282,8 +328,10 @@ class SharedSum : public OpKernel {
       if (r == rank_) continue;
       Pieces(start, size, first + bounds[r], first + bounds[r + 1],
              [&](size_t i, int64_t at, int64_t count) {
-               std::memcpy(out[i] + (at - start[i]), slots[r] + (at - first),
-                           count * sizeof(T));
+               for (int k = 0; k < kOutputs; ++k) {
+                 std::memcpy(a.out[k * n_tensors + i] + (at - start[i]),
+                             slots[r] + k * region + (at - first), count * sizeof(T));
+               }
              });
     }
     return ::tensorflow::OkStatus();
@@ -323,6 +371,7 @@ class SharedSum : public OpKernel {
   int64_t* control_;
   int rank_, world_;
   int64_t chunk_bytes_, header_bytes_, lines_, line_bytes_, written_, summed_, dtype_code_;
+  bool nesterov_ = false;
 };
 
 }  // namespace
@@ -376,15 +425,51 @@ REGISTER_OP("TfDistribSharedSgd")
       return ::tensorflow::OkStatus();
     });
 
+REGISTER_OP("TfDistribSharedMomentum")
+    .Input("ticket: int64")
+    .Input("learning_rate: T")
+    .Input("momentum: T")
+    .Input("gradients: N * T")
+    .Input("weights: N * T")
+    .Input("velocities: N * T")
+    .Output("updated: N * T")
+    .Output("updated_velocities: N * T")
+    .Attr("T: {float}")
+    .Attr("N: int >= 1")
+    .Attr("nesterov: bool")
+    .Attr("segment: int")
+    .Attr("control: int")
+    .Attr("rank: int")
+    .Attr("world: int >= 2")
+    .Attr("chunk_bytes: int")
+    .Attr("header_bytes: int")
+    .Attr("lines: int")
+    .Attr("line_bytes: int")
+    .Attr("written: int")
+    .Attr("summed: int")
+    .Attr("dtype_code: int")
+    .SetIsStateful()
+    .SetShapeFn([](::tensorflow::shape_inference::InferenceContext* c) {
+      const int n = (c->num_inputs() - 3) / 3;
+      for (int i = 0; i < n; ++i) {
+        c->set_output(i, c->input(3 + i));
+        c->set_output(n + i, c->input(3 + i));
+      }
+      return ::tensorflow::OkStatus();
+    });
+
 REGISTER_KERNEL_BUILDER(
     Name("TfDistribSharedSum").Device(::tensorflow::DEVICE_CPU).TypeConstraint<float>("T"),
-    (SharedSum<float, false>));
+    (SharedSum<float, kSum>));
 // int64: TensorFlow's per-step count of the workers whose input still has data.
 REGISTER_KERNEL_BUILDER(
     Name("TfDistribSharedSum").Device(::tensorflow::DEVICE_CPU).TypeConstraint<int64_t>("T"),
-    (SharedSum<int64_t, false>));
+    (SharedSum<int64_t, kSum>));
 REGISTER_KERNEL_BUILDER(
     Name("TfDistribSharedSgd").Device(::tensorflow::DEVICE_CPU).TypeConstraint<float>("T"),
-    (SharedSum<float, true>));
+    (SharedSum<float, kSgd>));
+REGISTER_KERNEL_BUILDER(
+    Name("TfDistribSharedMomentum").Device(::tensorflow::DEVICE_CPU).TypeConstraint<float>("T"),
+    (SharedSum<float, kMomentum>));
 
 }  // namespace tf_distrib

@@ -197,18 +197,33 @@ class NativeSum:
         return self._library.tf_distrib_shared_sum(ticket, tensors, dtype_code=code,
                                                    name="tf_distrib_all_reduce", **self._attrs)
 
-    def sgd(self, ticket, learning_rate, gradients, weights):
-        """Keras' SGD step (no momentum) on the sums over workers of `gradients` (float32):
-        `weights - sum * learning_rate`, each worker computing its part, after the op that
-        made `ticket`. Bitwise the step Keras takes on `all_reduce`'s sums.
+    def sgd(self, ticket, learning_rate, gradients, weights, momentum=None, velocities=None,
+            nesterov=False):
+        """Keras' SGD step on the sums over workers of `gradients` (float32), each worker
+        computing its part, after the op that made `ticket`: bitwise the step Keras takes
+        on `all_reduce`'s sums.
+
+        Args:
+            ticket: The collective's number (`graph_op`).
+            learning_rate: A float32 scalar.
+            gradients: This worker's gradients.
+            weights: The variables' values, one per gradient.
+            momentum: A float32 scalar, with `velocities`. Defaults to None (no momentum).
+            velocities: The momentum's velocities, one per gradient. Defaults to None.
+            nesterov: Nesterov's momentum. Defaults to False.
 
         Returns:
-            The new weights, one tensor per gradient.
+            The new weights, one tensor per gradient, then the new velocities if any.
         """
-        return self._library.tf_distrib_shared_sgd(
-            ticket, learning_rate, gradients, weights,
-            dtype_code=shared_memory.dtype_code(np.dtype(np.float32)),
-            name="tf_distrib_all_reduce_sgd", **self._attrs)
+        attrs = dict(dtype_code=shared_memory.dtype_code(np.dtype(np.float32)), **self._attrs)
+        if velocities is None:
+            return self._library.tf_distrib_shared_sgd(
+                ticket, learning_rate, gradients, weights, name="tf_distrib_all_reduce_sgd",
+                **attrs)
+        updated, updated_velocities = self._library.tf_distrib_shared_momentum(
+            ticket, learning_rate, momentum, gradients, weights, velocities,
+            nesterov=nesterov, name="tf_distrib_all_reduce_momentum", **attrs)
+        return [*updated, *updated_velocities]
 
     def waiting_for(self) -> int | None:
         """The rank the op waits for right now, or None."""

@@ -376,23 +376,21 @@ class SharedSum : public OpKernel {
 
 }  // namespace
 
+// What binds each op to one transport's segment and control block (native_sum.py's
+// `NativeSum._attrs`).
+#define SEGMENT_ATTRS                                                                    \
+  .Attr("segment: int").Attr("control: int").Attr("rank: int").Attr("world: int >= 2")   \
+      .Attr("chunk_bytes: int").Attr("header_bytes: int").Attr("lines: int")             \
+      .Attr("line_bytes: int").Attr("written: int").Attr("summed: int")                  \
+      .Attr("dtype_code: int")
+
 REGISTER_OP("TfDistribSharedSum")
     .Input("ticket: int64")
     .Input("tensors: N * T")
     .Output("sums: N * T")
     .Attr("T: {float, int64}")
     .Attr("N: int >= 1")
-    .Attr("segment: int")
-    .Attr("control: int")
-    .Attr("rank: int")
-    .Attr("world: int >= 2")
-    .Attr("chunk_bytes: int")
-    .Attr("header_bytes: int")
-    .Attr("lines: int")
-    .Attr("line_bytes: int")
-    .Attr("written: int")
-    .Attr("summed: int")
-    .Attr("dtype_code: int")
+    SEGMENT_ATTRS
     .SetIsStateful()
     .SetShapeFn([](::tensorflow::shape_inference::InferenceContext* c) {
       for (int i = 1; i < c->num_inputs(); ++i) c->set_output(i - 1, c->input(i));
@@ -407,17 +405,7 @@ REGISTER_OP("TfDistribSharedSgd")
     .Output("updated: N * T")
     .Attr("T: {float}")
     .Attr("N: int >= 1")
-    .Attr("segment: int")
-    .Attr("control: int")
-    .Attr("rank: int")
-    .Attr("world: int >= 2")
-    .Attr("chunk_bytes: int")
-    .Attr("header_bytes: int")
-    .Attr("lines: int")
-    .Attr("line_bytes: int")
-    .Attr("written: int")
-    .Attr("summed: int")
-    .Attr("dtype_code: int")
+    SEGMENT_ATTRS
     .SetIsStateful()
     .SetShapeFn([](::tensorflow::shape_inference::InferenceContext* c) {
       const int n = (c->num_inputs() - 2) / 2;
@@ -437,17 +425,7 @@ REGISTER_OP("TfDistribSharedMomentum")
     .Attr("T: {float}")
     .Attr("N: int >= 1")
     .Attr("nesterov: bool")
-    .Attr("segment: int")
-    .Attr("control: int")
-    .Attr("rank: int")
-    .Attr("world: int >= 2")
-    .Attr("chunk_bytes: int")
-    .Attr("header_bytes: int")
-    .Attr("lines: int")
-    .Attr("line_bytes: int")
-    .Attr("written: int")
-    .Attr("summed: int")
-    .Attr("dtype_code: int")
+    SEGMENT_ATTRS
     .SetIsStateful()
     .SetShapeFn([](::tensorflow::shape_inference::InferenceContext* c) {
       const int n = (c->num_inputs() - 3) / 3;

@@ -251,11 +251,31 @@ def sum_different_sizes(directory):
         t.close()
 
 
-def test_workers_that_sum_different_layouts_fail_instead_of_summing(tmp_path):
-    messages = [w.value for w in run_workers(sum_different_sizes, 2, args=(str(tmp_path),),
+def sum_against_an_sgd_step(directory):
+    """Worker 0 takes a fused SGD step where worker 1 sums as many bytes."""
+    from tf_distrib.transport import graph_op
+
+    t = _connect(directory)
+    ones = [np.ones(3, np.float32)]
+    try:
+        if t.rank == 0:
+            graph_op.sgd(t, np.float32(0.1), ones, ones)
+        else:
+            graph_op.all_reduce(t, ones)
+    except Exception as e:  # noqa: BLE001  (the test reads the message)
+        return f"{type(e).__name__}: {e}"
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("job, names", [(sum_different_sizes, ("float32", "float32")),
+                                        (sum_against_an_sgd_step, ("f32 sgd", "float32"))])
+def test_workers_that_sum_different_layouts_fail_instead_of_summing(tmp_path, job, names):
+    messages = [w.value for w in run_workers(job, 2, args=(str(tmp_path),),
                                              startup_timeout=None, quiet=True, timeout=60)]
     assert all("ProtocolError: worker " in m and "runs a different collective" in m
                for m in messages), messages
+    assert all(f"bytes of {name})" in m for m in messages for name in names), messages
 
 
 def connect_and_sum(directory):

@@ -127,6 +127,14 @@ void Fence() {
 #endif
 }
 
+// What a collective's word on the counters' line says it runs: up to 8 ASCII bytes (the
+// dtype's name for a sum, see shared_memory.dtype_code; native_sum.py's codes otherwise).
+std::string Kind(int64_t word) {
+  char name[sizeof(word)];
+  std::memcpy(name, &word, sizeof(word));
+  return std::string(name, strnlen(name, sizeof(word)));
+}
+
 int64_t Load(const int64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 void Store(int64_t* p, int64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 
@@ -290,8 +298,9 @@ class SharedSum : public OpKernel {
           theirs[2 + 2 * generation] != dtype_code_) {
         return ::tensorflow::errors::Internal(
             "ProtocolError: worker ", r, " runs a different collective (",
-            theirs[1 + 2 * generation], " bytes) than this one (", total * sizeof(T),
-            " bytes): the workers do not run the same model or step.");
+            theirs[1 + 2 * generation], " bytes of ", Kind(theirs[2 + 2 * generation]),
+            ") than this one (", total * sizeof(T), " bytes of ", Kind(dtype_code_),
+            "): the workers do not run the same model or step.");
       }
     }
     // This worker's part, summed in rank order (as numpy does: bitwise the same sums) a

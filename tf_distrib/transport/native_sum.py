@@ -65,6 +65,10 @@ _ABORT, _WAITING_FOR, _NANOSECONDS, _COLLECTIVES, _BYTES, _WAKE_FD, _RECORDED = 
 _MESSAGE_OFFSET, _MESSAGE_BYTES = 64, 960
 _RECORDER_WORD, _RECORDER_ENTRIES, _ENTRY_WORDS = 128, 64, 4
 _CONTROL_BYTES = 8 * (_RECORDER_WORD + _RECORDER_ENTRIES * _ENTRY_WORDS)
+# What an SGD step's collective publishes where a sum publishes its dtype's name, so that
+# a peer running another kind of collective on as many bytes is told apart, not summed.
+_SGD_CODE = int.from_bytes(b"f32 sgd", "little")
+_MOMENTUM_CODE = int.from_bytes(b"f32 mom", "little")
 # Every bound segment, control block and wake pipe, kept until the process exits: a
 # traced step that still holds their addresses can run after its transport is gone, and
 # must then fail (the control block says the transport is closed), never touch unmapped
@@ -218,14 +222,14 @@ class NativeSum:
         Returns:
             The new weights, one tensor per gradient, then the new velocities if any.
         """
-        attrs = dict(dtype_code=shared_memory.dtype_code(np.dtype(np.float32)), **self._attrs)
         if velocities is None:
             return self._library.tf_distrib_shared_sgd(
-                ticket, learning_rate, gradients, weights, name="tf_distrib_all_reduce_sgd",
-                **attrs)
+                ticket, learning_rate, gradients, weights, dtype_code=_SGD_CODE,
+                name="tf_distrib_all_reduce_sgd", **self._attrs)
         updated, updated_velocities = self._library.tf_distrib_shared_momentum(
             ticket, learning_rate, momentum, gradients, weights, velocities,
-            nesterov=nesterov, name="tf_distrib_all_reduce_momentum", **attrs)
+            nesterov=nesterov, dtype_code=_MOMENTUM_CODE, name="tf_distrib_all_reduce_momentum",
+            **self._attrs)
         return [*updated, *updated_velocities]
 
     def waiting_for(self) -> int | None:

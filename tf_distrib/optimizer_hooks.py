@@ -105,7 +105,7 @@ def _fused_sgd(optimizer, grads, variables, learning_rate) -> bool:
                          momentum=momentum, velocities=velocities, nesterov=optimizer.nesterov)
     if updated is None:
         return False
-    variables += velocities or []
+    assigned = variables + (velocities or [])  # in the order of `updated`
 
     def assign(distribution, pairs):
         for variable, value in pairs:
@@ -114,7 +114,7 @@ def _fused_sgd(optimizer, grads, variables, learning_rate) -> bool:
                 group=False)
 
     tf.__internal__.distribute.interim.maybe_merge_call(
-        assign, strategy, list(zip(variables, updated, strict=True)))
+        assign, strategy, list(zip(assigned, updated, strict=True)))
     return True
 
 

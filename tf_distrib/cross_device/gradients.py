@@ -83,11 +83,11 @@ class GradientAllReduce:
                 isinstance(t, tf.IndexedSlices) or t.dtype != tf.float32
                 for t in (*grads, *variables, *(velocities or ()))):
             return None
-        if velocities is not None:
-            velocities = [tf.convert_to_tensor(v) for v in velocities]
-        return graph_op.sgd(self.transport, learning_rate, grads,
-                            [tf.convert_to_tensor(v) for v in variables], momentum=momentum,
-                            velocities=velocities, nesterov=nesterov)
+        def read(values):
+            return None if values is None else [tf.convert_to_tensor(v) for v in values]
+
+        return graph_op.sgd(self.transport, learning_rate, grads, read(variables),
+                            momentum=momentum, velocities=read(velocities), nesterov=nesterov)
 
     def __call__(self, grads: list) -> list:
         """All-reduces `grads` (SUM) in replica context; same structure out.

@@ -144,14 +144,33 @@ void Store(int64_t* p, int64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 // velocities, then the new velocities as outputs after the new weights).
 enum Update { kSum, kSgd, kMomentum };
 
+// The inputs before the gradients, and the inputs and outputs per gradient (every output
+// also travels through the slots), for the kernel and the registration alike.
+template <Update kUpdate>
+struct Signature {
+  static constexpr int kFirst = kUpdate == kSum ? 1 : kUpdate == kSgd ? 2 : 3;
+  static constexpr int kInputs = kUpdate == kSum ? 1 : kUpdate == kSgd ? 2 : 3;
+  static constexpr int kOutputs = kUpdate == kMomentum ? 2 : 1;
+};
+
+// Output k * n + i has the shape of tensor i.
+template <Update kUpdate>
+::tensorflow::Status TensorShapes(::tensorflow::shape_inference::InferenceContext* c) {
+  using S = Signature<kUpdate>;
+  const int n = (c->num_inputs() - S::kFirst) / S::kInputs;
+  for (int k = 0; k < S::kOutputs; ++k) {
+    for (int i = 0; i < n; ++i) c->set_output(k * n + i, c->input(S::kFirst + i));
+  }
+  return ::tensorflow::OkStatus();
+}
+
 template <typename T, Update kUpdate>
 class SharedSum : public OpKernel {
   // Tensors and parts start on 64-byte lines, as in shared_memory.py and buffers.py.
   static constexpr int64_t kStep = 64 / sizeof(T);
-  static constexpr int kFirst = kUpdate == kSum ? 1 : kUpdate == kSgd ? 2 : 3;
-  // Inputs and outputs per gradient; every output also travels through the slots.
-  static constexpr int kInputs = kUpdate == kSum ? 1 : kUpdate == kSgd ? 2 : 3;
-  static constexpr int kOutputs = kUpdate == kMomentum ? 2 : 1;
+  static constexpr int kFirst = Signature<kUpdate>::kFirst;
+  static constexpr int kInputs = Signature<kUpdate>::kInputs;
+  static constexpr int kOutputs = Signature<kUpdate>::kOutputs;
 
   // One call's tensors: the addends, an update's current values, the outputs (k * n + i:
   // output k of tensor i), each tensor's place in the flat layout.
@@ -385,26 +404,23 @@ class SharedSum : public OpKernel {
 
 }  // namespace
 
-// What binds each op to one transport's segment and control block (native_sum.py's
-// `NativeSum._attrs`).
-#define SEGMENT_ATTRS                                                                    \
-  .Attr("segment: int").Attr("control: int").Attr("rank: int").Attr("world: int >= 2")   \
+// What every collective takes besides its tensors: their count, and what binds the op to
+// one transport's segment and control block (native_sum.py's `NativeSum._attrs`).
+#define COLLECTIVE_ATTRS                                                                 \
+  .Attr("N: int >= 1")                                                                   \
+      .Attr("segment: int").Attr("control: int").Attr("rank: int").Attr("world: int >= 2") \
       .Attr("chunk_bytes: int").Attr("header_bytes: int").Attr("lines: int")             \
       .Attr("line_bytes: int").Attr("written: int").Attr("summed: int")                  \
-      .Attr("dtype_code: int")
+      .Attr("dtype_code: int")                                                           \
+      .SetIsStateful()
 
 REGISTER_OP("TfDistribSharedSum")
     .Input("ticket: int64")
     .Input("tensors: N * T")
     .Output("sums: N * T")
     .Attr("T: {float, int64}")
-    .Attr("N: int >= 1")
-    SEGMENT_ATTRS
-    .SetIsStateful()
-    .SetShapeFn([](::tensorflow::shape_inference::InferenceContext* c) {
-      for (int i = 1; i < c->num_inputs(); ++i) c->set_output(i - 1, c->input(i));
-      return ::tensorflow::OkStatus();
-    });
+    COLLECTIVE_ATTRS
+    .SetShapeFn(TensorShapes<kSum>);
 
 REGISTER_OP("TfDistribSharedSgd")
     .Input("ticket: int64")
@@ -413,14 +429,8 @@ REGISTER_OP("TfDistribSharedSgd")
     .Input("weights: N * T")
     .Output("updated: N * T")
     .Attr("T: {float}")
-    .Attr("N: int >= 1")
-    SEGMENT_ATTRS
-    .SetIsStateful()
-    .SetShapeFn([](::tensorflow::shape_inference::InferenceContext* c) {
-      const int n = (c->num_inputs() - 2) / 2;
-      for (int i = 0; i < n; ++i) c->set_output(i, c->input(2 + i));
-      return ::tensorflow::OkStatus();
-    });
+    COLLECTIVE_ATTRS
+    .SetShapeFn(TensorShapes<kSgd>);
 
 REGISTER_OP("TfDistribSharedMomentum")
     .Input("ticket: int64")
@@ -432,18 +442,9 @@ REGISTER_OP("TfDistribSharedMomentum")
     .Output("updated: N * T")
     .Output("updated_velocities: N * T")
     .Attr("T: {float}")
-    .Attr("N: int >= 1")
     .Attr("nesterov: bool")
-    SEGMENT_ATTRS
-    .SetIsStateful()
-    .SetShapeFn([](::tensorflow::shape_inference::InferenceContext* c) {
-      const int n = (c->num_inputs() - 3) / 3;
-      for (int i = 0; i < n; ++i) {
-        c->set_output(i, c->input(3 + i));
-        c->set_output(n + i, c->input(3 + i));
-      }
-      return ::tensorflow::OkStatus();
-    });
+    COLLECTIVE_ATTRS
+    .SetShapeFn(TensorShapes<kMomentum>);
 
 REGISTER_KERNEL_BUILDER(
     Name("TfDistribSharedSum").Device(::tensorflow::DEVICE_CPU).TypeConstraint<float>("T"),

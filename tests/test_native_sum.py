@@ -58,15 +58,17 @@ def sum_both_ways(directory):
         if dtype == np.float32:  # the SGD steps fused into the op, as numpy rounds them
             rate, momentum = np.float32(0.1), np.float32(0.9)
             weights, velocities = _addends(world, sizes), _addends(world + 1, sizes)
-            stepped = graph_op.sgd(t, rate, mine, weights)
-            accelerated = graph_op.sgd(t, rate, mine, weights, momentum=momentum,
-                                       velocities=velocities)
+            stepped = [tf.Variable(w) for w in weights]
+            accelerated = [tf.Variable(w) for w in (*weights, *velocities)]
+            graph_op.sgd(t, rate, mine, stepped)
+            graph_op.sgd(t, rate, mine, accelerated[:len(sizes)], momentum=momentum,
+                         velocities=accelerated[len(sizes):])
             expected = [m * momentum - s * rate for m, s in zip(velocities, python, strict=True)]
             expected = [*(w + v for w, v in zip(weights, expected, strict=True)), *expected]
             report["sgd"].append(
-                all(np.array_equal(np.asarray(u), w - s * rate)
+                all(np.array_equal(u.numpy(), w - s * rate)
                     for u, w, s in zip(stepped, weights, python, strict=True))
-                and all(np.array_equal(np.asarray(u), e)
+                and all(np.array_equal(u.numpy(), e)
                         for u, e in zip(accelerated, expected, strict=True)))
         reference = [sum(_addends(r, sizes, dtype)[k].astype(np.float64) for r in range(world))
                      for k in range(len(sizes))]
@@ -114,6 +116,7 @@ def fit_with_sgd_fused_and_not():
     import tensorflow as tf
 
     import tf_distrib as td
+    from tf_distrib.optimizer_hooks import gradient_all_reduce
     from tf_distrib.transport.native_sum import NativeSum
 
     traced = []
@@ -125,12 +128,14 @@ def fit_with_sgd_fused_and_not():
             return super().update_step(gradient, variable, learning_rate)
 
     strategy = td.make_strategy()
+    native = gradient_all_reduce(strategy).transport.native
     rng = np.random.default_rng(0)
     x, y = rng.standard_normal((512, 20)).astype("float32"), rng.integers(0, 5, 512)
     data = td.data.distribute_dataset(strategy, tf.data.Dataset.from_tensor_slices((x, y)),
                                       64)
 
-    def train(optimizer, **kwargs):
+    def train(optimizer, label, **kwargs):
+        label = label if optimizer is keras.optimizers.SGD else f"Keras' step {label}"
         keras.utils.set_random_seed(0)
         with strategy.scope():
             model = keras.Sequential([keras.Input((20,)),
@@ -138,14 +143,15 @@ def fit_with_sgd_fused_and_not():
                                       keras.layers.Dense(5)])
             model.compile(optimizer(0.05, **kwargs),
                           keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        before = len(traced)
+        before, regions = len(traced), native.region_updates
         model.fit(data, epochs=2, verbose=0)
+        report[f"region updates {label}"] = native.region_updates - regions
         return [w.numpy() for w in model.weights], len(traced) - before
 
     report = {}
     for label, kwargs in SGD_SETTINGS.items():
         (a, report[f"traced {label}"]), (b, report[f"Keras' step traced {label}"]) = (
-            train(cls, **kwargs) for cls in (keras.optimizers.SGD, KerasSGD))
+            train(cls, label, **kwargs) for cls in (keras.optimizers.SGD, KerasSGD))
         report[f"equal {label}"] = all(np.array_equal(u, v) for u, v in zip(a, b, strict=True))
         report[f"digest {label}"] = hashlib.sha256(b"".join(w.tobytes() for w in a)).hexdigest()
     return report
@@ -159,6 +165,57 @@ def test_keras_sgd_fused_into_the_op_steps_bitwise_as_keras():
     for label in SGD_SETTINGS:
         assert a[f"equal {label}"] and a[f"traced {label}"] >= 1, a
         assert a[f"Keras' step traced {label}"] == 0, a
+        # Every step of the first in an update region; later models in the same process
+        # find one region held by the previous model's variables on alternate steps.
+        assert a[f"region updates {label}"] >= 1, a
+    assert a["region updates plain"] == 16, a
+
+
+def step_while_a_value_is_held(directory):
+    """Fused SGD steps run eagerly while worker 0 holds a read of the weights (their first
+    update region's values), then an `assign_sub` on one worker at a time; returns what
+    each saw."""
+    import tensorflow as tf
+
+    from tf_distrib.transport import graph_op
+
+    t = _connect(directory)
+    gradient = [np.full(1000, t.rank + 1, np.float32)]  # 3 summed over 2 workers
+    weights = [tf.Variable(np.zeros(1000, np.float32))]
+
+    def step():
+        graph_op.sgd(t, np.float32(0.5), gradient, weights)
+
+    step()  # into region 0
+    held = weights[0].read_value() if t.rank == 0 else None
+    for _ in range(3):  # region 1; region 0, held by worker 0: private; region 1
+        step()
+    report = {"regions": t.native.region_updates, "after 4": weights[0].numpy().tolist()}
+    for rank in range(t.world):
+        if t.rank == rank:
+            weights[0].assign_sub(np.ones(1000, np.float32))
+        graph_op.all_reduce(t, [np.zeros(1, np.float32)])  # one at a time
+        report[f"after worker {rank}'s assign_sub"] = weights[0].numpy().tolist()
+    if held is not None:
+        report["held"] = held.numpy().tolist()
+    t.close()
+    return report
+
+
+def test_a_region_that_a_worker_still_holds_is_not_written(tmp_path):
+    """Workers' variables share an update region; one worker's held value keeps all from
+    writing it, and TensorFlow's in-place updates copy it first (never seen by a peer)."""
+    workers = run_workers(step_while_a_value_is_held, 2, args=(str(tmp_path),),
+                          startup_timeout=None, quiet=True, timeout=120)
+    first, second = (w.value for w in workers)
+    for report in (first, second):
+        assert report["regions"] == 3  # the third step went to private buffers on both
+        assert report["after 4"] == [-6.0] * 1000
+    assert first["held"] == [-1.5] * 1000  # the first step's values, never overwritten
+    assert first["after worker 0's assign_sub"] == [-7.0] * 1000
+    assert second["after worker 0's assign_sub"] == [-6.0] * 1000
+    assert second["after worker 1's assign_sub"] == [-7.0] * 1000
+    assert first["after worker 1's assign_sub"] == [-7.0] * 1000
 
 
 def seconds_to_training(directory):
@@ -253,13 +310,15 @@ def sum_different_sizes(directory):
 
 def sum_against_an_sgd_step(directory):
     """Worker 0 takes a fused SGD step where worker 1 sums as many bytes."""
+    import tensorflow as tf
+
     from tf_distrib.transport import graph_op
 
     t = _connect(directory)
     ones = [np.ones(3, np.float32)]
     try:
         if t.rank == 0:
-            graph_op.sgd(t, np.float32(0.1), ones, ones)
+            graph_op.sgd(t, np.float32(0.1), ones, [tf.Variable(ones[0])])
         else:
             graph_op.all_reduce(t, ones)
     except Exception as e:  # noqa: BLE001  (the test reads the message)

@@ -8,7 +8,9 @@ methods of Keras' `TFOptimizer`, for optimizers whose strategy `make_strategy()`
   `GradientAllReduce` (buckets, compression, tf_distrib's transport), when it has one.
 - `_backend_update_step`, for Keras' `SGD` where the all-reduce runs in the transport's
   native op: the update is fused into it (`GradientAllReduce.sgd`), each worker computing
-  its part of the new weights and velocities, bitwise Keras' step on the same sums.
+  its part of the new weights and velocities, bitwise Keras' step on the same sums; the
+  op assigns the variables (where it can, all workers' variables then hold one copy in
+  shared memory).
 - `_backend_apply_gradients` with `gradient_accumulation_steps=K`: Keras runs the
   all-reduce inside a `tf.cond`, where tf.distribute cannot `merge_call`
   ("merge_call called while defining a new graph", keras-team/keras#16633). Here each
@@ -101,21 +103,8 @@ def _fused_sgd(optimizer, grads, variables, learning_rate) -> bool:
         velocities = [optimizer.momentums[index(v)].value for v in variables]
         momentum = keras.ops.cast(optimizer.momentum, "float32")
     variables = [v.value if isinstance(v, keras.Variable) else v for v in variables]
-    updated = reduce.sgd(keras.ops.cast(learning_rate, "float32"), list(grads), variables,
-                         momentum=momentum, velocities=velocities, nesterov=optimizer.nesterov)
-    if updated is None:
-        return False
-    assigned = variables + (velocities or [])  # in the order of `updated`
-
-    def assign(distribution, pairs):
-        for variable, value in pairs:
-            distribution.extended.update(
-                variable, lambda v, t: v.assign(t, read_value=False), args=(value,),
-                group=False)
-
-    tf.__internal__.distribute.interim.maybe_merge_call(
-        assign, strategy, list(zip(assigned, updated, strict=True)))
-    return True
+    return reduce.sgd(keras.ops.cast(learning_rate, "float32"), list(grads), variables,
+                      momentum=momentum, velocities=velocities, nesterov=optimizer.nesterov)
 
 
 def _route_apply(original):

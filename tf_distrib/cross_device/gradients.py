@@ -60,34 +60,32 @@ class GradientAllReduce:
         self.transport = transport
 
     def sgd(self, learning_rate, grads: list, variables: list, momentum=None,
-            velocities: list | None = None, nesterov: bool = False) -> list | None:
+            velocities: list | None = None, nesterov: bool = False) -> bool:
         """Keras' SGD step fused into the all-reduce, where it can be: the transport's
-        native op sums the gradients and each worker updates only its part of the weights
-        (and velocities), then takes the others' parts, bitwise what `__call__` and Keras'
-        update would give. Dense float32 gradients and variables, no compression.
+        native op sums the gradients, each worker updates only its part of the weights
+        (and velocities), and the op assigns the variables bitwise what `__call__` and
+        Keras' update would give. Dense float32 gradients and variables, no compression.
 
         Args:
             learning_rate: The step's learning rate (a float32 scalar).
             grads: The replica's gradients.
-            variables: The `tf.Variable`s they update, one per gradient (only read).
+            variables: The `tf.Variable`s they update, one per gradient.
             momentum: The momentum (a float32 scalar), with `velocities`. Defaults to None.
             velocities: The momentum's `tf.Variable`s, one per gradient. Defaults to None.
             nesterov: Nesterov's momentum. Defaults to False.
 
         Returns:
-            The new weights, then the new velocities if any; or None where this all-reduce
-            cannot fuse the step.
+            Whether the step ran (assigning the variables); False where this all-reduce
+            cannot fuse it, and nothing ran.
         """
         native = None if self.transport is None else self.transport.native
         if native is None or not isinstance(self.compressor, NoCompression) or any(
                 isinstance(t, tf.IndexedSlices) or t.dtype != tf.float32
                 for t in (*grads, *variables, *(velocities or ()))):
-            return None
-        def read(values):
-            return None if values is None else [tf.convert_to_tensor(v) for v in values]
-
-        return graph_op.sgd(self.transport, learning_rate, grads, read(variables),
-                            momentum=momentum, velocities=read(velocities), nesterov=nesterov)
+            return False
+        graph_op.sgd(self.transport, learning_rate, grads, variables, momentum=momentum,
+                     velocities=velocities, nesterov=nesterov)
+        return True
 
     def __call__(self, grads: list) -> list:
         """All-reduces `grads` (SUM) in replica context; same structure out.

@@ -58,17 +58,17 @@ def all_reduce(transport: Transport, tensors: list[tf.Tensor]) -> list[tf.Tensor
 
 
 def sgd(transport: Transport, learning_rate, gradients: list[tf.Tensor],
-        weights: list[tf.Tensor], **momentum) -> list[tf.Tensor]:
+        weights: list[tf.Variable], **momentum):
     """Keras' SGD step on the sums of `gradients` (float32) across the workers, fused into
-    the all-reduce by the transport's native op (`transport.native` must be set); the
+    the all-reduce by the transport's native op (`transport.native` must be set), which
+    assigns `weights` (this replica's variables; equal on every worker afterwards); the
     momentum's arguments as `NativeSum.sgd` takes them.
 
     Returns:
-        The new weights, one tensor per gradient, then the new velocities if any; equal on
-        every worker.
+        The op (None when run eagerly).
     """
-    return list(_ordered(transport, lambda ticket: transport.native.sgd(
-        ticket, learning_rate, gradients, weights, **momentum)))
+    return _ordered(transport, lambda ticket: transport.native.sgd(
+        ticket, learning_rate, gradients, weights, **momentum))
 
 
 def all_reduce_buckets(transport: Transport, buckets: list[list[tf.Tensor]]) -> list[list]:

@@ -19,10 +19,19 @@
 // TfDistribSharedSgd and TfDistribSharedMomentum run the same collective and take Keras'
 // `SGD` step on the way (without momentum; with it, plain or Nesterov): each worker turns
 // its own part's sum into the new weights (and velocities), rounded as Keras' multiplies,
-// adds and subtracts round, which go to its outputs and its slot (the velocities to the
-// slot's second half: a chunk is then half a slot), and copies the others' new values out
-// of their slots. Each worker updates only its part: the update's arithmetic and memory
-// traffic are split between the workers, and the sums are never written out whole.
+// adds and subtracts round, and assigns the variables itself. Each worker updates only
+// its part: the update's arithmetic and memory traffic are split between the workers, and
+// the sums are never written out whole. Where it can, each writes its part into one of
+// the segment's two update regions (alternate steps use alternate regions), and every
+// worker's variables then hold that region: one copy of the weights in the host's memory
+// and cache for all of them, and nobody copies the others' parts. A region is written only
+// when no tensor of any worker still refers to it (each process counts its tensors that
+// do and offers the region with its first chunk; all must offer it); otherwise, and where
+// the values do not fit, the new values go to this worker's slot (the velocities to the
+// slot's second half: a chunk is then half a slot) and to private buffers, and each worker
+// copies the others' parts out of their slots. The region's tensors do not own their
+// memory, so TensorFlow never writes into them: an `assign_sub` or a kernel that would
+// reuse its input's buffer copies first, and only this op writes a region.
 //
 // The waits poll like the Python ones (spin, yield, sleep) and return an error once the
 // control block's abort word is set: the transport's watcher thread sets it when a peer
@@ -42,9 +51,14 @@
 #include <string>
 #include <vector>
 
+#include "tensorflow/core/framework/allocation_description.pb.h"
+#include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/resource_var.h"
 #include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/framework/tensor.h"
 
 namespace tf_distrib {
 namespace {
@@ -61,6 +75,10 @@ constexpr int kMessageOffset = 64, kMessageBytes = 960;
 // The flight recorder: a ring of the last collectives, each (number, bytes, started,
 // ended: 0 until it succeeds), wall-clock nanoseconds, after the abort message.
 constexpr int kRecorderWord = 128, kRecorderEntries = 64, kEntryWords = 4;
+// After the recorder: the updates so far (update k uses region k % 2), this process's
+// tensors in each of the two update regions, and the updates that went through a region.
+constexpr int kUpdates = kRecorderWord + kRecorderEntries * kEntryWords, kHeld = kUpdates + 1,
+              kRegionUpdates = kUpdates + 3;
 // Elements summed, then copied out, at a time (16-32 KiB: the core's L1 cache).
 constexpr int64_t kBlock = 4096;
 // Polling, as shared_memory.py's `_poll`.
@@ -139,13 +157,14 @@ int64_t Load(const int64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 void Store(int64_t* p, int64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 
 // What the op does with each sum: return it (TfDistribSharedSum: ticket, tensors), or
-// take Keras' SGD step (TfDistribSharedSgd: ticket, learning rate, gradients, weights;
-// TfDistribSharedMomentum: ticket, learning rate, momentum, gradients, weights,
-// velocities, then the new velocities as outputs after the new weights).
+// take Keras' SGD step (TfDistribSharedSgd: ticket, learning rate, gradients, weights'
+// variables; TfDistribSharedMomentum: ticket, learning rate, momentum, gradients,
+// weights' variables, velocities' variables).
 enum Update { kSum, kSgd, kMomentum };
 
-// The inputs before the gradients, and the inputs and outputs per gradient (every output
-// also travels through the slots), for the kernel and the registration alike.
+// The inputs before the gradients, the inputs per gradient (the gradient, then an
+// update's variables), and the values computed per gradient (the sum, or the variables'
+// new values; each travels through the slots), for the kernel and the registration alike.
 template <Update kUpdate>
 struct Signature {
   static constexpr int kFirst = kUpdate == kSum ? 1 : kUpdate == kSgd ? 2 : 3;
@@ -153,16 +172,28 @@ struct Signature {
   static constexpr int kOutputs = kUpdate == kMomentum ? 2 : 1;
 };
 
-// Output k * n + i has the shape of tensor i.
-template <Update kUpdate>
-::tensorflow::Status TensorShapes(::tensorflow::shape_inference::InferenceContext* c) {
-  using S = Signature<kUpdate>;
-  const int n = (c->num_inputs() - S::kFirst) / S::kInputs;
-  for (int k = 0; k < S::kOutputs; ++k) {
-    for (int i = 0; i < n; ++i) c->set_output(k * n + i, c->input(S::kFirst + i));
+// A region's part for one variable, which every worker's variable may hold. It does not
+// own its memory, so no TensorFlow kernel writes into it; it counts itself among the
+// region's holders in this process while it lives.
+class RegionBuffer : public ::tensorflow::TensorBuffer {
+ public:
+  RegionBuffer(void* data, size_t bytes, int64_t* holders)
+      : TensorBuffer(data), bytes_(bytes), holders_(holders) {
+    __atomic_add_fetch(holders_, 1, __ATOMIC_ACQ_REL);
   }
-  return ::tensorflow::OkStatus();
-}
+  ~RegionBuffer() override { __atomic_sub_fetch(holders_, 1, __ATOMIC_ACQ_REL); }
+  size_t size() const override { return bytes_; }
+  TensorBuffer* root_buffer() override { return this; }
+  void FillAllocationDescription(::tensorflow::AllocationDescription* proto) const override {
+    proto->set_requested_bytes(bytes_);
+    proto->set_allocator_name("tf_distrib_update_region");
+  }
+  bool OwnsMemory() const override { return false; }
+
+ private:
+  size_t bytes_;
+  int64_t* holders_;
+};
 
 template <typename T, Update kUpdate>
 class SharedSum : public OpKernel {
@@ -173,12 +204,21 @@ class SharedSum : public OpKernel {
   static constexpr int kOutputs = Signature<kUpdate>::kOutputs;
 
   // One call's tensors: the addends, an update's current values, the outputs (k * n + i:
-  // output k of tensor i), each tensor's place in the flat layout.
+  // value k of tensor i), each tensor's place in the flat layout; whether the outputs are
+  // an update region.
   struct Arrays {
     std::vector<const T*> in, weights, velocities;
     std::vector<T*> out;
     std::vector<int64_t> start, size;
     T rate = 0, momentum = 0;
+    bool in_region = false;
+  };
+
+  // One slot-sized chunk of a collective: its elements, number, and each rank's part.
+  struct Round {
+    int64_t first, stop, chunk;
+    std::vector<int64_t> bounds;
+    std::vector<T*> slots;
   };
 
  public:
@@ -195,6 +235,9 @@ class SharedSum : public OpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("written", &written_));
     OP_REQUIRES_OK(c, c->GetAttr("summed", &summed_));
     OP_REQUIRES_OK(c, c->GetAttr("dtype_code", &dtype_code_));
+    OP_REQUIRES_OK(c, c->GetAttr("offered", &offered_));
+    OP_REQUIRES_OK(c, c->GetAttr("update_regions", &update_regions_));
+    OP_REQUIRES_OK(c, c->GetAttr("region_bytes", &region_bytes_));
     if (kUpdate == kMomentum) OP_REQUIRES_OK(c, c->GetAttr("nesterov", &nesterov_));
     segment_ = reinterpret_cast<char*>(segment);
     control_ = reinterpret_cast<int64_t*>(control);
@@ -211,24 +254,38 @@ class SharedSum : public OpKernel {
     a.size.resize(n);
     if (kUpdate != kSum) a.rate = ctx->input(1).scalar<T>()();
     if (kUpdate == kMomentum) a.momentum = ctx->input(2).scalar<T>()();
+    // An update's variables (the weights', then the velocities') and their values now.
+    std::vector<::tensorflow::core::RefCountPtr<::tensorflow::Var>> variables(
+        (kInputs - 1) * n);
+    std::vector<Tensor> values((kInputs - 1) * n);
+    bool copy_on_read = false;
     int64_t total = 0;  // the flat layout's elements, each tensor on a 64-byte line
     for (int i = 0; i < n; ++i) {
       const Tensor& t = ctx->input(kFirst + i);
       for (int k = 1; k < kInputs; ++k) {
-        const Tensor& value = ctx->input(kFirst + k * n + i);
-        OP_REQUIRES(ctx, value.shape() == t.shape(),
+        const int j = (k - 1) * n + i;
+        OP_REQUIRES_OK(ctx, ::tensorflow::LookupResource(
+                                ctx, ::tensorflow::HandleFromInput(ctx, kFirst + k * n + i),
+                                &variables[j]));
+        {
+          ::tensorflow::tf_shared_lock lock(*variables[j]->mu());
+          OP_REQUIRES(ctx, variables[j]->is_initialized,
+                      ::tensorflow::errors::FailedPrecondition(
+                          "the variable of gradient ", i, " is not initialized"));
+          values[j] = *variables[j]->tensor();
+        }
+        copy_on_read |= variables[j]->copy_on_read_mode.load();
+        OP_REQUIRES(ctx, values[j].dtype() == t.dtype() && values[j].shape() == t.shape(),
                     ::tensorflow::errors::InvalidArgument(
                         "gradient ", i, " has shape ", t.shape().DebugString(), ", its ",
-                        k == 1 ? "weights " : "velocities ", value.shape().DebugString()));
-        (k == 1 ? a.weights : a.velocities).push_back(value.flat<T>().data());
+                        k == 1 ? "weights " : "velocities ", values[j].DebugString()));
+        (k == 1 ? a.weights : a.velocities).push_back(values[j].flat<T>().data());
       }
-      for (int k = 0; k < kOutputs; ++k) {
-        Tensor* o = nullptr;
-        // The weights (or sums) may take the gradient's buffer.
-        OP_REQUIRES_OK(ctx, k == 0 ? ctx->forward_input_or_allocate_output(
-                                         {kFirst + i}, i, t.shape(), &o)
-                                   : ctx->allocate_output(k * n + i, t.shape(), &o));
-        a.out[k * n + i] = o->flat<T>().data();
+      if (kUpdate == kSum) {
+        Tensor* o = nullptr;  // the sum may take the gradient's buffer
+        OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({kFirst + i}, i, t.shape(),
+                                                                  &o));
+        a.out[i] = o->flat<T>().data();
       }
       a.in[i] = t.flat<T>().data();
       a.size[i] = t.NumElements();
@@ -244,12 +301,34 @@ class SharedSum : public OpKernel {
     entry[2] = Nanoseconds(CLOCK_REALTIME);
     entry[3] = 0;
     Store(control_ + kRecorded, recorded + 1);
+    // The update region this worker can write (1 + its number), or 0.
+    int64_t offer = 0;
+    if (kUpdate != kSum) {
+      const int64_t region = Load(control_ + kUpdates) % 2;
+      Store(control_ + kUpdates, Load(control_ + kUpdates) + 1);
+      if (!copy_on_read && kOutputs * total * int64_t{sizeof(T)} <= region_bytes_ &&
+          Load(control_ + kHeld + region) == 0) {
+        offer = region + 1;
+      }
+    }
+    std::vector<Tensor> updated(kUpdate == kSum ? 0 : kOutputs * n);
     // Each output has its region of the slot, on a 64-byte line.
     const int64_t per_chunk = chunk_bytes_ / sizeof(T) / kOutputs / kStep * kStep;
     for (int64_t first = 0; first < total; first += per_chunk) {
-      OP_REQUIRES_OK(ctx, Chunk(first, std::min(total, first + per_chunk), total, per_chunk,
-                                a));
+      Round round;
+      OP_REQUIRES_OK(ctx, Publish(first, std::min(total, first + per_chunk), total, a,
+                                  kUpdate != kSum && first == 0 ? offer : -1, round));
+      if (kUpdate != kSum && first == 0) {
+        OP_REQUIRES_OK(ctx, Outputs(ctx, n, total, Agreed(offer) ? offer - 1 : -1, a,
+                                    updated));
+      }
+      OP_REQUIRES_OK(ctx, Reduce(round, per_chunk, a));
     }
+    for (size_t j = 0; j < updated.size(); ++j) {
+      ::tensorflow::mutex_lock lock(*variables[j]->mu());
+      *variables[j]->tensor() = std::move(updated[j]);
+    }
+    if (a.in_region) __atomic_add_fetch(control_ + kRegionUpdates, 1, __ATOMIC_RELAXED);
     Store(entry + 3, Nanoseconds(CLOCK_REALTIME));
     __atomic_add_fetch(control_ + kNanoseconds, Now() - began, __ATOMIC_RELAXED);
     if (__atomic_add_fetch(control_ + kCollectives, 1, __ATOMIC_RELAXED) == 1) {
@@ -281,37 +360,85 @@ class SharedSum : public OpKernel {
     }
   }
 
-  // `region`: the elements between the starts of an output's regions in a slot.
-  ::tensorflow::Status Chunk(int64_t first, int64_t stop, int64_t total, int64_t region,
-                             const Arrays& a) {
-    const std::vector<int64_t>& start = a.start;
-    const std::vector<int64_t>& size = a.size;
-    const int n_tensors = static_cast<int>(a.in.size());
+  // Whether every worker offered the update region this one offers (after the first
+  // chunk's `Publish`: each published its offer with it).
+  bool Agreed(int64_t offer) const {
+    if (offer == 0) return false;
+    for (int r = 0; r < world_; ++r) {
+      if (Line(r)[offered_] != offer) return false;
+    }
+    return true;
+  }
+
+  // An update's new values: in update region `region` (0 or 1), or with -1 in private
+  // buffers (the new weights in the gradient's, where TensorFlow can forward it).
+  ::tensorflow::Status Outputs(OpKernelContext* ctx, int n, int64_t total, int64_t region,
+                               Arrays& a, std::vector<Tensor>& updated) {
+    const bool agreed = region >= 0;
+    a.in_region = agreed;
+    T* base = reinterpret_cast<T*>(segment_ + update_regions_ + region * region_bytes_);
+    for (int k = 0; k < kOutputs; ++k) {
+      for (int i = 0; i < n; ++i) {
+        const Tensor& t = ctx->input(kFirst + i);
+        Tensor& out = updated[k * n + i];
+        if (agreed) {
+          T* data = base + k * total + a.start[i];
+          auto* buffer =
+              new RegionBuffer(data, a.size[i] * sizeof(T), control_ + kHeld + region);
+          out = Tensor(::tensorflow::DataTypeToEnum<T>::value, t.shape(), buffer);
+          buffer->Unref();
+        } else {
+          std::unique_ptr<Tensor> forwarded =
+              k == 0 ? ctx->forward_input(kFirst + i,
+                                          OpKernelContext::Params::kNoReservation,
+                                          t.dtype(), t.shape(), ::tensorflow::DEVICE_MEMORY,
+                                          ::tensorflow::AllocatorAttributes())
+                     : nullptr;
+          if (forwarded) {
+            out = std::move(*forwarded);
+          } else {
+            TF_RETURN_IF_ERROR(ctx->allocate_temp(t.dtype(), t.shape(), &out));
+          }
+        }
+        a.out[k * n + i] = out.flat<T>().data();
+      }
+    }
+    return ::tensorflow::OkStatus();
+  }
+
+  // Copies the parts of [first, stop) that the others sum into this worker's slot,
+  // publishes it (with `offer`, unless it is -1), and waits until every worker has.
+  ::tensorflow::Status Publish(int64_t first, int64_t stop, int64_t total, const Arrays& a,
+                               int64_t offer, Round& round) {
     const int64_t elements = stop - first;
-    std::vector<int64_t> bounds(world_ + 1);
+    round.first = first;
+    round.stop = stop;
+    round.bounds.resize(world_ + 1);
     for (int r = 0; r <= world_; ++r) {
       const int64_t even = (elements * r + world_ - 1) / world_;
-      bounds[r] = std::min(elements, (even + kStep - 1) / kStep * kStep);
+      round.bounds[r] = std::min(elements, (even + kStep - 1) / kStep * kStep);
     }
     int64_t* mine = Line(rank_);
-    const int64_t chunk = Load(mine + written_) + 1;
-    const int64_t generation = (chunk - 1) % 2;
-    std::vector<T*> slots(world_);
-    for (int r = 0; r < world_; ++r) slots[r] = Slot(generation, r);
-    const int64_t low = first + bounds[rank_], high = first + bounds[rank_ + 1];
+    round.chunk = Load(mine + written_) + 1;
+    const int64_t generation = (round.chunk - 1) % 2;
+    round.slots.resize(world_);
+    for (int r = 0; r < world_; ++r) round.slots[r] = Slot(generation, r);
+    const int64_t low = first + round.bounds[rank_], high = first + round.bounds[rank_ + 1];
     // The parts the others sum, into this worker's slot (padding stays unread).
     auto to_slot = [&](size_t i, int64_t at, int64_t count) {
-      CopyToShared(slots[rank_] + (at - first), a.in[i] + (at - start[i]), count * sizeof(T));
+      CopyToShared(round.slots[rank_] + (at - first), a.in[i] + (at - a.start[i]),
+                   count * sizeof(T));
     };
-    Pieces(start, size, first, low, to_slot);
-    Pieces(start, size, high, stop, to_slot);
+    Pieces(a.start, a.size, first, low, to_slot);
+    Pieces(a.start, a.size, high, stop, to_slot);
     mine[1 + 2 * generation] = total * int64_t{sizeof(T)};
     mine[2 + 2 * generation] = dtype_code_;
+    if (offer >= 0) mine[offered_] = offer;
     Fence();
-    Store(mine + written_, chunk);
+    Store(mine + written_, round.chunk);
     for (int r = 0; r < world_; ++r) {
       if (r == rank_) continue;
-      TF_RETURN_IF_ERROR(Wait(r, written_, chunk));
+      TF_RETURN_IF_ERROR(Wait(r, written_, round.chunk));
       const int64_t* theirs = Line(r);
       if (theirs[1 + 2 * generation] != mine[1 + 2 * generation] ||
           theirs[2 + 2 * generation] != dtype_code_) {
@@ -322,12 +449,25 @@ class SharedSum : public OpKernel {
             "): the workers do not run the same model or step.");
       }
     }
+    return ::tensorflow::OkStatus();
+  }
+
+  // Sums this worker's part of a published chunk into its outputs (an update region,
+  // which every worker reads, or its outputs and its slot), waits until every worker has
+  // summed its part, and copies the others' parts out of their slots unless in a region.
+  // `region`: the elements between the starts of an output's regions in a slot.
+  ::tensorflow::Status Reduce(const Round& round, int64_t region, const Arrays& a) {
+    const std::vector<int64_t>& start = a.start;
+    const std::vector<T*>& slots = round.slots;
+    const int n_tensors = static_cast<int>(a.in.size());
+    const int64_t first = round.first;
+    const int64_t low = first + round.bounds[rank_], high = first + round.bounds[rank_ + 1];
     // This worker's part, summed in rank order (as numpy does: bitwise the same sums) a
     // block at a time into a buffer that stays in cache (an output may be its own input,
-    // forwarded), updated there with SGD, then copied to its outputs and to its slot.
+    // forwarded), updated there with SGD, then copied to its outputs (and its slot).
     const int64_t block_size = std::min(kBlock, high - low);
     std::vector<T> block(kOutputs * block_size);
-    Pieces(start, size, low, high, [&](size_t i, int64_t at, int64_t count) {
+    Pieces(start, a.size, low, high, [&](size_t i, int64_t at, int64_t count) {
       for (int64_t done = 0; done < count; done += kBlock) {
         const int64_t n = std::min(kBlock, count - done), offset = at - first + done;
         const int64_t own_at = (at - start[i]) + done;
@@ -342,19 +482,22 @@ class SharedSum : public OpKernel {
         }
         for (int k = 0; k < kOutputs; ++k) {
           std::memcpy(a.out[k * n_tensors + i] + own_at, sum + k * block_size, n * sizeof(T));
-          CopyToShared(slots[rank_] + k * region + offset, sum + k * block_size,
-                       n * sizeof(T));
+          if (!a.in_region) {
+            CopyToShared(slots[rank_] + k * region + offset, sum + k * block_size,
+                         n * sizeof(T));
+          }
         }
       }
     });
     Fence();
-    Store(mine + summed_, chunk);
+    int64_t* mine = Line(rank_);
+    Store(mine + summed_, round.chunk);
     for (int r = 0; r < world_; ++r) {
-      if (r != rank_) TF_RETURN_IF_ERROR(Wait(r, summed_, chunk));
+      if (r != rank_) TF_RETURN_IF_ERROR(Wait(r, summed_, round.chunk));
     }
-    for (int r = 0; r < world_; ++r) {
+    for (int r = 0; r < world_ && !a.in_region; ++r) {
       if (r == rank_) continue;
-      Pieces(start, size, first + bounds[r], first + bounds[r + 1],
+      Pieces(start, a.size, first + round.bounds[r], first + round.bounds[r + 1],
              [&](size_t i, int64_t at, int64_t count) {
                for (int k = 0; k < kOutputs; ++k) {
                  std::memcpy(a.out[k * n_tensors + i] + (at - start[i]),
@@ -399,19 +542,22 @@ class SharedSum : public OpKernel {
   int64_t* control_;
   int rank_, world_;
   int64_t chunk_bytes_, header_bytes_, lines_, line_bytes_, written_, summed_, dtype_code_;
+  int64_t offered_, update_regions_, region_bytes_;
   bool nesterov_ = false;
 };
 
 }  // namespace
 
 // What every collective takes besides its tensors: their count, and what binds the op to
-// one transport's segment and control block (native_sum.py's `NativeSum._attrs`).
+// one transport's segment and control block (native_sum.py's `NativeSum._attrs`). The
+// updates assign their variables and have no outputs.
 #define COLLECTIVE_ATTRS                                                                 \
   .Attr("N: int >= 1")                                                                   \
       .Attr("segment: int").Attr("control: int").Attr("rank: int").Attr("world: int >= 2") \
       .Attr("chunk_bytes: int").Attr("header_bytes: int").Attr("lines: int")             \
       .Attr("line_bytes: int").Attr("written: int").Attr("summed: int")                  \
-      .Attr("dtype_code: int")                                                           \
+      .Attr("dtype_code: int").Attr("offered: int").Attr("update_regions: int")          \
+      .Attr("region_bytes: int")                                                         \
       .SetIsStateful()
 
 REGISTER_OP("TfDistribSharedSum")
@@ -420,31 +566,31 @@ REGISTER_OP("TfDistribSharedSum")
     .Output("sums: N * T")
     .Attr("T: {float, int64}")
     COLLECTIVE_ATTRS
-    .SetShapeFn(TensorShapes<kSum>);
+    .SetShapeFn([](::tensorflow::shape_inference::InferenceContext* c) {
+      for (int i = 1; i < c->num_inputs(); ++i) c->set_output(i - 1, c->input(i));
+      return ::tensorflow::OkStatus();
+    });
 
 REGISTER_OP("TfDistribSharedSgd")
     .Input("ticket: int64")
     .Input("learning_rate: T")
     .Input("gradients: N * T")
-    .Input("weights: N * T")
-    .Output("updated: N * T")
+    .Input("weights: N * resource")
     .Attr("T: {float}")
     COLLECTIVE_ATTRS
-    .SetShapeFn(TensorShapes<kSgd>);
+    .SetShapeFn(::tensorflow::shape_inference::NoOutputs);
 
 REGISTER_OP("TfDistribSharedMomentum")
     .Input("ticket: int64")
     .Input("learning_rate: T")
     .Input("momentum: T")
     .Input("gradients: N * T")
-    .Input("weights: N * T")
-    .Input("velocities: N * T")
-    .Output("updated: N * T")
-    .Output("updated_velocities: N * T")
+    .Input("weights: N * resource")
+    .Input("velocities: N * resource")
     .Attr("T: {float}")
     .Attr("nesterov: bool")
     COLLECTIVE_ATTRS
-    .SetShapeFn(TensorShapes<kMomentum>);
+    .SetShapeFn(::tensorflow::shape_inference::NoOutputs);
 
 REGISTER_KERNEL_BUILDER(
     Name("TfDistribSharedSum").Device(::tensorflow::DEVICE_CPU).TypeConstraint<float>("T"),

@@ -52,17 +52,21 @@ from tf_distrib.transport.errors import ProtocolError
 from tf_distrib.transport.mesh import Mesh
 from tf_distrib.transport.ring import ring_all_reduce
 
-_MAGIC = b"tf_distrib shm 2"  # 2: result regions after the slots
+_MAGIC = b"tf_distrib shm 3"  # 2: result regions after the slots; 3: update regions
 SEGMENT_PREFIX = "tf_distrib-"  # the segments' file names in /dev/shm
 HEADER_BYTES = 4096
 # In the header, one 64-byte line per rank (no false sharing): the number of chunks the
 # rank has written, the (bytes, dtype) it sums in each slot generation, the number of
-# chunks it has summed its part of, and the result regions it still holds (a bit mask).
+# chunks it has summed its part of, the result regions it still holds (a bit mask), and
+# the update region the native op's SGD step may write (`native_sum`).
 # native_sum.cc reads and writes them too (the offsets reach it from native_sum.py).
 COUNTERS_OFFSET, LINE_BYTES = 1024, 64
-WRITTEN, SUMMED, _HELD = 0, 5, 6
+WRITTEN, SUMMED, _HELD, OFFERED = 0, 5, 6, 7
 # Result regions of one slot each: results of 4 buckets at a time stay in shared memory.
 RESULT_REGIONS = 4
+# Then the native op's two update regions (`native_sum`), of this many slots each: the
+# weights (and velocities) that every worker's variables hold.
+UPDATE_REGION_SLOTS = 2
 # Smaller buckets are summed in full by every worker: Keras keeps the logged values (at
 # most 64 elements each) across steps, which would hold a region.
 MIN_IN_PLACE_BYTES = 4096
@@ -84,12 +88,14 @@ def chunk_bytes_for(world: int, directory: str = "/dev/shm") -> int:
 
 
 def _slots(world: int) -> int:
-    """Slots of a segment: 2 generations x `world` inputs, then the result regions."""
-    return 2 * world + RESULT_REGIONS
+    """Slots of a segment: 2 generations x `world` inputs, the result regions, then the
+    update regions."""
+    return 2 * world + RESULT_REGIONS + 2 * UPDATE_REGION_SLOTS
 
 
 class SharedSegment:
-    """A mapped /dev/shm segment: a header, 2 generations x `world` slots, result regions.
+    """A mapped /dev/shm segment: a header, 2 generations x `world` slots, result regions,
+    update regions.
 
     Create it on one worker (`create`), attach on the others (`attach`), then
     `unlink` its name once all are attached: the mapping outlives the name, and no
@@ -158,14 +164,19 @@ class SharedSegment:
         offset = HEADER_BYTES + (2 * self.world + first) * self.chunk_bytes
         return np.frombuffer(self._map, np.uint8, count * self.chunk_bytes, offset)
 
+    def update_regions(self) -> tuple[int, int]:
+        """The first update region's offset in the segment, and each one's bytes."""
+        regions = HEADER_BYTES + (2 * self.world + RESULT_REGIONS) * self.chunk_bytes
+        return regions, UPDATE_REGION_SLOTS * self.chunk_bytes
+
     def array(self) -> np.ndarray:
         """The whole segment as bytes; while it exists, `close` leaves the mapping in place."""
         return np.frombuffer(self._map, np.uint8)
 
     def line(self, rank: int) -> np.ndarray:
         """Rank's control line: [chunks written, gen 0 bytes, gen 0 dtype, gen 1 bytes,
-        gen 1 dtype, chunks summed, regions held]."""
-        return np.frombuffer(self._map, np.int64, 7, COUNTERS_OFFSET + rank * LINE_BYTES)
+        gen 1 dtype, chunks summed, regions held, update region offered]."""
+        return np.frombuffer(self._map, np.int64, 8, COUNTERS_OFFSET + rank * LINE_BYTES)
 
     def close(self) -> None:
         try:

@@ -111,7 +111,10 @@ def fit_with_sgd_fused_and_not():
     """The same model trained with Keras' SGD (its step fused into the op) and with an SGD
     whose `update_step` is overridden (Keras' own step): plain, with accumulation, with
     clipping and weight decay, with momentum, with Nesterov's. Returns whether each pair
-    ends bitwise equal, a digest of the weights, and how many fused steps each traced."""
+    ends bitwise equal, a digest of the weights, how many fused steps each traced, and
+    how many of its updates went to an update region, in place."""
+    import gc
+
     import keras
     import tensorflow as tf
 
@@ -143,10 +146,13 @@ def fit_with_sgd_fused_and_not():
                                       keras.layers.Dense(5)])
             model.compile(optimizer(0.05, **kwargs),
                           keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        before, regions = len(traced), native.region_updates
+        gc.collect()  # the models trained before, and the regions they held
+        before = len(traced), native.region_updates, native.in_place_updates
         model.fit(data, epochs=2, verbose=0)
-        report[f"region updates {label}"] = native.region_updates - regions
-        return [w.numpy() for w in model.weights], len(traced) - before
+        report[f"updates {label}"] = int(model.optimizer.iterations.numpy())  # K steps: 1
+        report[f"region updates {label}"] = native.region_updates - before[1]
+        report[f"in place {label}"] = native.in_place_updates - before[2]
+        return [w.numpy() for w in model.weights], len(traced) - before[0]
 
     report = {}
     for label, kwargs in SGD_SETTINGS.items():
@@ -165,16 +171,17 @@ def test_keras_sgd_fused_into_the_op_steps_bitwise_as_keras():
     for label in SGD_SETTINGS:
         assert a[f"equal {label}"] and a[f"traced {label}"] >= 1, a
         assert a[f"Keras' step traced {label}"] == 0, a
-        # Every step of the first in an update region; later models in the same process
-        # find one region held by the previous model's variables on alternate steps.
-        assert a[f"region updates {label}"] >= 1, a
-    assert a["region updates plain"] == 16, a
+        # Each model's variables take a free region, then are updated there in place;
+        # Keras' weight decay (`assign_sub`) copies them out of it before every step.
+        assert a[f"region updates {label}"] == a[f"updates {label}"], a
+        in_place = 0 if "decayed" in label else a[f"updates {label}"] - 1
+        assert a[f"in place {label}"] == in_place, a
+    assert a["updates plain"] == 16 and a["updates K=4"] == 4, a
 
 
-def step_while_a_value_is_held(directory):
-    """Fused SGD steps run eagerly while worker 0 holds a read of the weights (their first
-    update region's values), then an `assign_sub` on one worker at a time; returns what
-    each saw."""
+def step_while_values_are_held(directory):
+    """Fused SGD steps run eagerly while worker 0 holds reads of the weights (values in the
+    update regions), then an `assign_sub` on one worker at a time; returns what each saw."""
     import tensorflow as tf
 
     from tf_distrib.transport import graph_op
@@ -182,40 +189,50 @@ def step_while_a_value_is_held(directory):
     t = _connect(directory)
     gradient = [np.full(1000, t.rank + 1, np.float32)]  # 3 summed over 2 workers
     weights = [tf.Variable(np.zeros(1000, np.float32))]
+    held, report = [], {}
 
     def step():
         graph_op.sgd(t, np.float32(0.5), gradient, weights)
+        report.setdefault("regions", []).append(t.native.region_updates)
+        report.setdefault("in place", []).append(t.native.in_place_updates)
 
     step()  # into region 0
-    held = weights[0].read_value() if t.rank == 0 else None
-    for _ in range(3):  # region 1; region 0, held by worker 0: private; region 1
-        step()
-    report = {"regions": t.native.region_updates, "after 4": weights[0].numpy().tolist()}
+    if t.rank == 0:
+        held.append(weights[0].read_value())
+    step()  # region 1: worker 0 holds region 0
+    if t.rank == 0:
+        held.append(weights[0].read_value())
+    step()  # private: worker 0 holds both
+    report["held"] = [h.numpy().tolist() for h in held]
+    held.clear()
+    step()  # region 0
+    step()  # region 0, in place
+    report["after 5"] = weights[0].numpy().tolist()
     for rank in range(t.world):
         if t.rank == rank:
             weights[0].assign_sub(np.ones(1000, np.float32))
         graph_op.all_reduce(t, [np.zeros(1, np.float32)])  # one at a time
         report[f"after worker {rank}'s assign_sub"] = weights[0].numpy().tolist()
-    if held is not None:
-        report["held"] = held.numpy().tolist()
     t.close()
     return report
 
 
-def test_a_region_that_a_worker_still_holds_is_not_written(tmp_path):
-    """Workers' variables share an update region; one worker's held value keeps all from
-    writing it, and TensorFlow's in-place updates copy it first (never seen by a peer)."""
-    workers = run_workers(step_while_a_value_is_held, 2, args=(str(tmp_path),),
+def test_values_a_worker_still_holds_are_never_written(tmp_path):
+    """Workers' variables share an update region; one worker's held values keep every
+    worker from writing where they are, and TensorFlow's in-place updates copy the region
+    first (a peer never sees them)."""
+    workers = run_workers(step_while_values_are_held, 2, args=(str(tmp_path),),
                           startup_timeout=None, quiet=True, timeout=120)
     first, second = (w.value for w in workers)
     for report in (first, second):
-        assert report["regions"] == 3  # the third step went to private buffers on both
-        assert report["after 4"] == [-6.0] * 1000
-    assert first["held"] == [-1.5] * 1000  # the first step's values, never overwritten
-    assert first["after worker 0's assign_sub"] == [-7.0] * 1000
-    assert second["after worker 0's assign_sub"] == [-6.0] * 1000
-    assert second["after worker 1's assign_sub"] == [-7.0] * 1000
-    assert first["after worker 1's assign_sub"] == [-7.0] * 1000
+        assert report["regions"] == [1, 2, 2, 3, 4]  # the third step in private buffers
+        assert report["in place"] == [0, 0, 0, 0, 1]
+        assert report["after 5"] == [-7.5] * 1000
+    assert first["held"] == [[-1.5] * 1000, [-3.0] * 1000]  # as read, never overwritten
+    assert first["after worker 0's assign_sub"] == [-8.5] * 1000
+    assert second["after worker 0's assign_sub"] == [-7.5] * 1000
+    assert second["after worker 1's assign_sub"] == [-8.5] * 1000
+    assert first["after worker 1's assign_sub"] == [-8.5] * 1000
 
 
 def seconds_to_training(directory):

@@ -22,12 +22,16 @@
 // adds and subtracts round, and assigns the variables itself. Each worker updates only
 // its part: the update's arithmetic and memory traffic are split between the workers, and
 // the sums are never written out whole. Where it can, each writes its part into one of
-// the segment's two update regions (alternate steps use alternate regions), and every
-// worker's variables then hold that region: one copy of the weights in the host's memory
-// and cache for all of them, and nobody copies the others' parts. A region is written only
-// when no tensor of any worker still refers to it (each process counts its tensors that
-// do and offers the region with its first chunk; all must offer it); otherwise, and where
-// the values do not fit, the new values go to this worker's slot (the velocities to the
+// the segment's two update regions, and every worker's variables then hold that region:
+// one copy of the weights in the host's memory and cache for all of them, nobody copies
+// the others' parts, and from the next step on the update is made in place, as
+// TensorFlow updates a variable whose buffer nothing else holds. Each process counts its
+// tensors in each region; a region is usable when none is there, or when only the
+// update's variables are, each at its place (with the variables locked, as TensorFlow's
+// `use_locking` kernels lock them, so no reader sees an update half made). Each worker
+// publishes its usable regions with the first chunk, and all write into the first one
+// usable on every worker; where none is (a value read from a variable and kept), or the
+// values do not fit, the new values go to this worker's slot (the velocities to the
 // slot's second half: a chunk is then half a slot) and to private buffers, and each worker
 // copies the others' parts out of their slots. The region's tensors do not own their
 // memory, so TensorFlow never writes into them: an `assign_sub` or a kernel that would
@@ -75,10 +79,11 @@ constexpr int kMessageOffset = 64, kMessageBytes = 960;
 // The flight recorder: a ring of the last collectives, each (number, bytes, started,
 // ended: 0 until it succeeds), wall-clock nanoseconds, after the abort message.
 constexpr int kRecorderWord = 128, kRecorderEntries = 64, kEntryWords = 4;
-// After the recorder: the updates so far (update k uses region k % 2), this process's
-// tensors in each of the two update regions, and the updates that went through a region.
-constexpr int kUpdates = kRecorderWord + kRecorderEntries * kEntryWords, kHeld = kUpdates + 1,
-              kRegionUpdates = kUpdates + 3;
+// After the recorder: this process's tensors in each of the two update regions, the
+// updates that went through a region, and those of them that found their variables there.
+constexpr int kRegions = 2;
+constexpr int kHeld = kRecorderWord + kRecorderEntries * kEntryWords,
+              kRegionUpdates = kHeld + kRegions, kInPlaceUpdates = kRegionUpdates + 1;
 // Elements summed, then copied out, at a time (16-32 KiB: the core's L1 cache).
 constexpr int64_t kBlock = 4096;
 // Polling, as shared_memory.py's `_poll`.
@@ -195,6 +200,25 @@ class RegionBuffer : public ::tensorflow::TensorBuffer {
   int64_t* holders_;
 };
 
+// Holds variables' mutexes, each once, taken in address order as TensorFlow's kernels take
+// several: no reader sees an update half written, and the variables' values keep the
+// holders they had when the update chose where to write.
+class Locked {
+ public:
+  explicit Locked(const std::vector<::tensorflow::core::RefCountPtr<::tensorflow::Var>>& v) {
+    for (const auto& variable : v) mutexes_.push_back(variable->mu());
+    std::sort(mutexes_.begin(), mutexes_.end());
+    mutexes_.erase(std::unique(mutexes_.begin(), mutexes_.end()), mutexes_.end());
+    for (::tensorflow::mutex* m : mutexes_) m->lock();
+  }
+  ~Locked() {
+    for (auto m = mutexes_.rbegin(); m != mutexes_.rend(); ++m) (*m)->unlock();
+  }
+
+ private:
+  std::vector<::tensorflow::mutex*> mutexes_;
+};
+
 template <typename T, Update kUpdate>
 class SharedSum : public OpKernel {
   // Tensors and parts start on 64-byte lines, as in shared_memory.py and buffers.py.
@@ -205,13 +229,13 @@ class SharedSum : public OpKernel {
 
   // One call's tensors: the addends, an update's current values, the outputs (k * n + i:
   // value k of tensor i), each tensor's place in the flat layout; whether the outputs are
-  // an update region.
+  // an update region, and whether they were the variables' values already.
   struct Arrays {
     std::vector<const T*> in, weights, velocities;
     std::vector<T*> out;
     std::vector<int64_t> start, size;
     T rate = 0, momentum = 0;
-    bool in_region = false;
+    bool in_region = false, in_place = false;
   };
 
   // One slot-sized chunk of a collective: its elements, number, and each rank's part.
@@ -254,26 +278,27 @@ class SharedSum : public OpKernel {
     a.size.resize(n);
     if (kUpdate != kSum) a.rate = ctx->input(1).scalar<T>()();
     if (kUpdate == kMomentum) a.momentum = ctx->input(2).scalar<T>()();
-    // An update's variables (the weights', then the velocities') and their values now.
+    // An update's variables (variable k * n + i: the weights' of tensor i, then the
+    // velocities'), held locked until they are assigned, and their values now.
     std::vector<::tensorflow::core::RefCountPtr<::tensorflow::Var>> variables(
         (kInputs - 1) * n);
-    std::vector<Tensor> values((kInputs - 1) * n);
+    for (size_t j = 0; j < variables.size(); ++j) {
+      OP_REQUIRES_OK(ctx, ::tensorflow::LookupResource(
+                              ctx, ::tensorflow::HandleFromInput(ctx, kFirst + n + j),
+                              &variables[j]));
+    }
+    const Locked locked(variables);
+    std::vector<Tensor> values(variables.size());
     bool copy_on_read = false;
     int64_t total = 0;  // the flat layout's elements, each tensor on a 64-byte line
     for (int i = 0; i < n; ++i) {
       const Tensor& t = ctx->input(kFirst + i);
       for (int k = 1; k < kInputs; ++k) {
         const int j = (k - 1) * n + i;
-        OP_REQUIRES_OK(ctx, ::tensorflow::LookupResource(
-                                ctx, ::tensorflow::HandleFromInput(ctx, kFirst + k * n + i),
-                                &variables[j]));
-        {
-          ::tensorflow::tf_shared_lock lock(*variables[j]->mu());
-          OP_REQUIRES(ctx, variables[j]->is_initialized,
-                      ::tensorflow::errors::FailedPrecondition(
-                          "the variable of gradient ", i, " is not initialized"));
-          values[j] = *variables[j]->tensor();
-        }
+        OP_REQUIRES(ctx, variables[j]->is_initialized,
+                    ::tensorflow::errors::FailedPrecondition(
+                        "the variable of gradient ", i, " is not initialized"));
+        values[j] = *variables[j]->tensor();
         copy_on_read |= variables[j]->copy_on_read_mode.load();
         OP_REQUIRES(ctx, values[j].dtype() == t.dtype() && values[j].shape() == t.shape(),
                     ::tensorflow::errors::InvalidArgument(
@@ -301,34 +326,23 @@ class SharedSum : public OpKernel {
     entry[2] = Nanoseconds(CLOCK_REALTIME);
     entry[3] = 0;
     Store(control_ + kRecorded, recorded + 1);
-    // The update region this worker can write (1 + its number), or 0.
-    int64_t offer = 0;
-    if (kUpdate != kSum) {
-      const int64_t region = Load(control_ + kUpdates) % 2;
-      Store(control_ + kUpdates, Load(control_ + kUpdates) + 1);
-      if (!copy_on_read && kOutputs * total * int64_t{sizeof(T)} <= region_bytes_ &&
-          Load(control_ + kHeld + region) == 0) {
-        offer = region + 1;
-      }
-    }
+    // The update regions this worker can write (bit r: region r).
+    const int64_t usable = kUpdate == kSum ? 0 : Usable(total, a, values, copy_on_read);
     std::vector<Tensor> updated(kUpdate == kSum ? 0 : kOutputs * n);
     // Each output has its region of the slot, on a 64-byte line.
     const int64_t per_chunk = chunk_bytes_ / sizeof(T) / kOutputs / kStep * kStep;
     for (int64_t first = 0; first < total; first += per_chunk) {
       Round round;
       OP_REQUIRES_OK(ctx, Publish(first, std::min(total, first + per_chunk), total, a,
-                                  kUpdate != kSum && first == 0 ? offer : -1, round));
+                                  kUpdate != kSum && first == 0 ? usable : -1, round));
       if (kUpdate != kSum && first == 0) {
-        OP_REQUIRES_OK(ctx, Outputs(ctx, n, total, Agreed(offer) ? offer - 1 : -1, a,
-                                    updated));
+        OP_REQUIRES_OK(ctx, Outputs(ctx, n, total, Agreed(usable), a, values, updated));
       }
       OP_REQUIRES_OK(ctx, Reduce(round, per_chunk, a));
     }
-    for (size_t j = 0; j < updated.size(); ++j) {
-      ::tensorflow::mutex_lock lock(*variables[j]->mu());
-      *variables[j]->tensor() = std::move(updated[j]);
-    }
+    for (size_t j = 0; j < updated.size(); ++j) *variables[j]->tensor() = std::move(updated[j]);
     if (a.in_region) __atomic_add_fetch(control_ + kRegionUpdates, 1, __ATOMIC_RELAXED);
+    if (a.in_place) __atomic_add_fetch(control_ + kInPlaceUpdates, 1, __ATOMIC_RELAXED);
     Store(entry + 3, Nanoseconds(CLOCK_REALTIME));
     __atomic_add_fetch(control_ + kNanoseconds, Now() - began, __ATOMIC_RELAXED);
     if (__atomic_add_fetch(control_ + kCollectives, 1, __ATOMIC_RELAXED) == 1) {
@@ -360,31 +374,71 @@ class SharedSum : public OpKernel {
     }
   }
 
-  // Whether every worker offered the update region this one offers (after the first
-  // chunk's `Publish`: each published its offer with it).
-  bool Agreed(int64_t offer) const {
-    if (offer == 0) return false;
-    for (int r = 0; r < world_; ++r) {
-      if (Line(r)[offered_] != offer) return false;
+  // Region r's address.
+  T* Region(int64_t r) const {
+    return reinterpret_cast<T*>(segment_ + update_regions_ + r * region_bytes_);
+  }
+
+  // The update regions (bit r: region r) this worker can write an update's new values into:
+  // those that no tensor of this process refers to, and the one that only the update's
+  // variables refer to, each at its own place (the values, as TensorFlow updates a
+  // variable in place only when nothing else holds its buffer). None where the values do
+  // not fit or a variable copies on read.
+  int64_t Usable(int64_t total, const Arrays& a, const std::vector<Tensor>& values,
+                 bool copy_on_read) const {
+    if (copy_on_read || kOutputs * total * int64_t{sizeof(T)} > region_bytes_) return 0;
+    const int n = static_cast<int>(a.in.size());
+    int64_t usable = 0;
+    for (int64_t r = 0; r < kRegions; ++r) {
+      const int64_t held = Load(control_ + kHeld + r);
+      usable |= int64_t{held == 0 || (held == kOutputs * n &&
+                                      InPlace(r, total, a, values))} << r;
+    }
+    return usable;
+  }
+
+  // Whether each variable's value is region r's at its place, held by the variable and
+  // by `values` only.
+  bool InPlace(int64_t r, int64_t total, const Arrays& a,
+               const std::vector<Tensor>& values) const {
+    const int n = static_cast<int>(a.in.size());
+    for (int k = 0; k < kOutputs; ++k) {
+      for (int i = 0; i < n; ++i) {
+        const Tensor& value = values[k * n + i];
+        if (value.data() != Region(r) + k * total + a.start[i] || value.RefCount() != 2) {
+          return false;
+        }
+      }
     }
     return true;
   }
 
-  // An update's new values: in update region `region` (0 or 1), or with -1 in private
-  // buffers (the new weights in the gradient's, where TensorFlow can forward it).
+  // The update region that every worker can write (the first), or -1 (after the first
+  // chunk's `Publish`: each published its usable regions with it).
+  int64_t Agreed(int64_t usable) const {
+    for (int r = 0; r < world_; ++r) usable &= Line(r)[offered_];
+    for (int64_t r = 0; r < kRegions; ++r) {
+      if (usable >> r & 1) return r;
+    }
+    return -1;
+  }
+
+  // An update's new values: in update region `region`, or with -1 in private buffers (the
+  // new weights in the gradient's, where TensorFlow can forward it).
   ::tensorflow::Status Outputs(OpKernelContext* ctx, int n, int64_t total, int64_t region,
-                               Arrays& a, std::vector<Tensor>& updated) {
-    const bool agreed = region >= 0;
-    a.in_region = agreed;
-    T* base = reinterpret_cast<T*>(segment_ + update_regions_ + region * region_bytes_);
+                               Arrays& a, const std::vector<Tensor>& values,
+                               std::vector<Tensor>& updated) {
+    a.in_region = region >= 0;
+    a.in_place = a.in_region && InPlace(region, total, a, values);
     for (int k = 0; k < kOutputs; ++k) {
       for (int i = 0; i < n; ++i) {
         const Tensor& t = ctx->input(kFirst + i);
         Tensor& out = updated[k * n + i];
-        if (agreed) {
-          T* data = base + k * total + a.start[i];
-          auto* buffer =
-              new RegionBuffer(data, a.size[i] * sizeof(T), control_ + kHeld + region);
+        if (a.in_place) {
+          out = values[k * n + i];
+        } else if (a.in_region) {
+          auto* buffer = new RegionBuffer(Region(region) + k * total + a.start[i],
+                                          a.size[i] * sizeof(T), control_ + kHeld + region);
           out = Tensor(::tensorflow::DataTypeToEnum<T>::value, t.shape(), buffer);
           buffer->Unref();
         } else {
@@ -407,9 +461,10 @@ class SharedSum : public OpKernel {
   }
 
   // Copies the parts of [first, stop) that the others sum into this worker's slot,
-  // publishes it (with `offer`, unless it is -1), and waits until every worker has.
+  // publishes it (with the update regions it can write, unless -1), and waits until every
+  // worker has.
   ::tensorflow::Status Publish(int64_t first, int64_t stop, int64_t total, const Arrays& a,
-                               int64_t offer, Round& round) {
+                               int64_t usable, Round& round) {
     const int64_t elements = stop - first;
     round.first = first;
     round.stop = stop;
@@ -433,7 +488,7 @@ class SharedSum : public OpKernel {
     Pieces(a.start, a.size, high, stop, to_slot);
     mine[1 + 2 * generation] = total * int64_t{sizeof(T)};
     mine[2 + 2 * generation] = dtype_code_;
-    if (offer >= 0) mine[offered_] = offer;
+    if (usable >= 0) mine[offered_] = usable;
     Fence();
     Store(mine + written_, round.chunk);
     for (int r = 0; r < world_; ++r) {

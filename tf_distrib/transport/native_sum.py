@@ -10,10 +10,10 @@ scaling`, 2 workers x 1 core, the two paths alternating by epoch within one run:
 ms less CPU per step (median of 9 pairs; the whole exchange had cost 1.2 ms). Two more
 ops take Keras' SGD step (with or without momentum) inside the same collective
 (`NativeSum.sgd`): each worker updates its part of the weights and copies the others'
-parts, 0.2-0.3 ms less CPU per step for that MLP, 0.65 ms with momentum. Where no tensor
-still refers to it, each worker writes its part into one of the segment's two update
-regions instead, and every worker's variables hold that region: one copy of the weights
-for all workers, nothing copied back; 0.6 ms less again (see native_sum.cc).
+parts, 0.2-0.3 ms less CPU per step for that MLP, 0.65 ms with momentum. Where nothing
+else refers to it, each worker writes its part into one of the segment's two update
+regions instead, in place once the variables hold it: one copy of the weights for all
+workers, nothing copied back (see native_sum.cc).
 
 The op is compiled on first use (~10 s, `make` does it at install) with the C++ compiler
 in `$CXX` (default `c++`) and the flags of `tf.sysconfig`, into
@@ -64,14 +64,14 @@ BUILD_TIMEOUT_SECONDS = 60.0
 _CXXFLAGS = ("-shared", "-fPIC", "-O3", "-ffp-contract=off", "-w")
 # The control block: int64 words, as native_sum.cc reads them, the abort message, the
 # flight recorder's ring (number, bytes, started, ended: wall-clock nanoseconds), then the
-# SGD steps' words: steps so far, this process's tensors in each update region, and the
-# steps that updated through a region.
+# SGD steps' words: this process's tensors in each of the two update regions, the steps
+# that updated through a region, and those that found their variables there.
 _ABORT, _WAITING_FOR, _NANOSECONDS, _COLLECTIVES, _BYTES, _WAKE_FD, _RECORDED = range(7)
 _MESSAGE_OFFSET, _MESSAGE_BYTES = 64, 960
 _RECORDER_WORD, _RECORDER_ENTRIES, _ENTRY_WORDS = 128, 64, 4
-_UPDATES = _RECORDER_WORD + _RECORDER_ENTRIES * _ENTRY_WORDS
-_REGION_UPDATES = _UPDATES + 3
-_CONTROL_BYTES = 8 * (_REGION_UPDATES + 1)
+_HELD = _RECORDER_WORD + _RECORDER_ENTRIES * _ENTRY_WORDS
+_REGION_UPDATES, _IN_PLACE_UPDATES = _HELD + 2, _HELD + 3
+_CONTROL_BYTES = 8 * (_IN_PLACE_UPDATES + 1)
 # What an SGD step's collective publishes where a sum publishes its dtype's name, so that
 # a peer running another kind of collective on as many bytes is told apart, not summed.
 _SGD_CODE = int.from_bytes(b"f32 sgd", "little")
@@ -247,6 +247,12 @@ class NativeSum:
         worker's variables then held (the others went to private buffers)."""
         return int(self._control[_REGION_UPDATES])
 
+    @property
+    def in_place_updates(self) -> int:
+        """The `region_updates` that found this worker's variables in their region already
+        (and nothing else holding them), and updated them there."""
+        return int(self._control[_IN_PLACE_UPDATES])
+
     def waiting_for(self) -> int | None:
         """The rank the op waits for right now, or None."""
         peer = int(self._control[_WAITING_FOR]) - 1
@@ -255,7 +261,7 @@ class NativeSum:
     def recent(self) -> list[dict]:
         """The op's last collectives, as `Transport.recent()` lists them, oldest first."""
         count = int(self._control[_RECORDED])
-        ring = self._control[_RECORDER_WORD:_UPDATES].reshape(_RECORDER_ENTRIES, _ENTRY_WORDS)
+        ring = self._control[_RECORDER_WORD:_HELD].reshape(_RECORDER_ENTRIES, _ENTRY_WORDS)
         entries = [[int(word) for word in ring[i % _RECORDER_ENTRIES]]
                    for i in range(max(0, count - _RECORDER_ENTRIES), count)]
         return [{"seq": seq, "bytes": nbytes, "started": started / 1e9,

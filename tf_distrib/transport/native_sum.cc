@@ -238,9 +238,9 @@ class SharedSum : public OpKernel {
     bool in_region = false, in_place = false;
   };
 
-  // One slot-sized chunk of a collective: its elements, number, and each rank's part.
+  // One slot-sized chunk of a collective: its first element, number, and each rank's part.
   struct Round {
-    int64_t first, stop, chunk;
+    int64_t first, chunk;
     std::vector<int64_t> bounds;
     std::vector<T*> slots;
   };
@@ -467,7 +467,6 @@ class SharedSum : public OpKernel {
                                int64_t usable, Round& round) {
     const int64_t elements = stop - first;
     round.first = first;
-    round.stop = stop;
     round.bounds.resize(world_ + 1);
     for (int r = 0; r <= world_; ++r) {
       const int64_t even = (elements * r + world_ - 1) / world_;

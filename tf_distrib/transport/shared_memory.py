@@ -58,7 +58,7 @@ HEADER_BYTES = 4096
 # In the header, one 64-byte line per rank (no false sharing): the number of chunks the
 # rank has written, the (bytes, dtype) it sums in each slot generation, the number of
 # chunks it has summed its part of, the result regions it still holds (a bit mask), and
-# the update region the native op's SGD step may write (`native_sum`).
+# the update regions the native op's SGD step can write (a bit mask, `native_sum`).
 # native_sum.cc reads and writes them too (the offsets reach it from native_sum.py).
 COUNTERS_OFFSET, LINE_BYTES = 1024, 64
 WRITTEN, SUMMED, _HELD, OFFERED = 0, 5, 6, 7
@@ -175,8 +175,8 @@ class SharedSegment:
 
     def line(self, rank: int) -> np.ndarray:
         """Rank's control line: [chunks written, gen 0 bytes, gen 0 dtype, gen 1 bytes,
-        gen 1 dtype, chunks summed, regions held, update region offered]."""
-        return np.frombuffer(self._map, np.int64, 8, COUNTERS_OFFSET + rank * LINE_BYTES)
+        gen 1 dtype, chunks summed, regions held] (the native op's word follows)."""
+        return np.frombuffer(self._map, np.int64, 7, COUNTERS_OFFSET + rank * LINE_BYTES)
 
     def close(self) -> None:
         try:

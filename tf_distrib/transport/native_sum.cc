@@ -429,7 +429,9 @@ class SharedSum : public OpKernel {
                                Arrays& a, const std::vector<Tensor>& values,
                                std::vector<Tensor>& updated) {
     a.in_region = region >= 0;
-    a.in_place = a.in_region && InPlace(region, total, a, values);
+    // A usable region that this process holds tensors in holds only the variables, each at
+    // its place (`Usable`); the locks keep it so.
+    a.in_place = a.in_region && Load(control_ + kHeld + region) != 0;
     for (int k = 0; k < kOutputs; ++k) {
       for (int i = 0; i < n; ++i) {
         const Tensor& t = ctx->input(kFirst + i);

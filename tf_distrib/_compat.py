@@ -192,6 +192,22 @@ def optimizer_class():
     return _require(optimizer, "TFOptimizer", "the gradient path", "keras")
 
 
+def patch_trainer(name: str, make_replacement, feature: str) -> None:
+    """Replaces Keras' `TensorFlowTrainer.<name>` with `make_replacement(original)`
+    (idempotent)."""
+    from keras.src.backend.tensorflow import trainer
+
+    _patch(_require(trainer, "TensorFlowTrainer", feature, "keras"), name, make_replacement,
+           feature, "keras")
+
+
+def keras_reduce_per_replica():
+    """Keras' reduction of a step's per-replica outputs to its logs."""
+    from keras.src.backend.tensorflow import trainer
+
+    return _require(trainer, "reduce_per_replica", "the direct step function", "keras")
+
+
 def patch_optimizer(name: str, make_replacement, feature: str) -> None:
     """Replaces `TFOptimizer.<name>` with `make_replacement(original)` (idempotent).
 
@@ -278,6 +294,8 @@ _STATIC = [
     ("keras", "keras", "Model._symbolic_build"),
     ("keras", "keras", "Model._compute_loss"),
     ("keras", "keras", "optimizers.SGD.update_step"),
+    *[("keras", "keras.src.backend.tensorflow.trainer", name)
+      for name in ("TensorFlowTrainer._make_function", "reduce_per_replica")],
     *[("keras", "keras.src.backend.tensorflow.optimizer", f"TFOptimizer.{name}")
       for name in ("_all_reduce_sum_gradients", "_backend_apply_gradients",
                    *(n for n in _ACCUMULATION_INTERNALS if n not in (

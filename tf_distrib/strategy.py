@@ -26,7 +26,15 @@ import warnings
 
 import tensorflow as tf
 
-from tf_distrib import _compat, _input_iterators, contract, cross_device, optimizer_hooks, phases
+from tf_distrib import (
+    _compat,
+    _input_iterators,
+    _step_function,
+    contract,
+    cross_device,
+    optimizer_hooks,
+    phases,
+)
 from tf_distrib import cluster as cluster_lib
 from tf_distrib import transport as transport_lib
 from tf_distrib import watchdog as watchdog_lib
@@ -402,7 +410,7 @@ def make_strategy(cross_device_ops: tf.distribute.CrossDeviceOps | None = None, 
         reduce = None
         if strategy.transport is not None or compression is not None or bucket_bytes is not None:
             reduce = gradients.GradientAllReduce(compression, bucket_bytes, strategy.transport)
-        optimizer_hooks.mark(strategy, reduce)
+        _mark(strategy, reduce)
         if hang_timeout != math.inf:
             strategy.start_watchdog(spec.task, hang_timeout, f"{keys}/hang")
         phases.enter(phases.BUILDING)
@@ -424,7 +432,7 @@ def make_strategy(cross_device_ops: tf.distribute.CrossDeviceOps | None = None, 
         if gpus:  # its input path is TensorFlow's own, not measured by tf_distrib
             return tf.distribute.get_strategy()
         strategy = HostOneDeviceStrategy(devices[0].name)
-        optimizer_hooks.mark(strategy)  # gradient_accumulation_steps, as on every strategy
+        _mark(strategy)  # gradient_accumulation_steps, as on every strategy
         return strategy
     names = [d.name for d in devices]
     if cross_device_ops is None and not gpus:
@@ -438,8 +446,15 @@ def make_strategy(cross_device_ops: tf.distribute.CrossDeviceOps | None = None, 
         strategy = tf.distribute.MirroredStrategy(names, cross_device_ops=cross_device_ops)
     else:
         strategy = HostMirroredStrategy(names, cross_device_ops=cross_device_ops)
-    optimizer_hooks.mark(strategy)
+    _mark(strategy)
     return strategy
+
+
+def _mark(strategy, gradient_all_reduce=None) -> None:
+    """Routes the Keras models and optimizers of a strategy from `make_strategy()` to
+    tf_distrib (`optimizer_hooks`, `_step_function`)."""
+    optimizer_hooks.mark(strategy, gradient_all_reduce)
+    _step_function.mark(strategy)
 
 
 def _connect_transport(strategy, spec, mode, connect_timeout, communication_timeout, prefix):

@@ -58,9 +58,7 @@ class Model:
     steps: int  # per epoch; the second epoch is measured
 
 
-# The CNN's measured epoch lasts as long as DDP's (120 steps of ~20 ms against its 60 of
-# ~40 ms): in 40-step epochs (0.8 s) one run's rounds measured -2.3 to 5.9 ms of overhead
-# as the VM changed speed.
+# The CNN's measured epoch lasts as long as DDP's: 120 steps of ~20 ms, its 60 of ~40 ms.
 MODELS = {
     "mlp": Model("MLP 784-1024-1024-10", (784,), PER_WORKER_BATCH, 200),
     "cnn": Model("CNN on 32x32x3 (3 conv + 2 dense, 0.6M parameters)", (32, 32, 3), 64, 120),

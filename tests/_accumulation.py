@@ -5,8 +5,9 @@ STEPS_PER_EPOCH = 32
 
 def train(global_batch, steps, optimizer="sgd", compression=None, transport=None,
           logical_cpus=None, epochs=2, backup_dir=None, kill_at=None, save_freq=10,
-          counting=False):
-    """Trains a small MLP with `gradient_accumulation_steps=steps` under make_strategy().
+          counting=False, momentum=0.0, keras_own=False):
+    """Trains a small MLP with `gradient_accumulation_steps=steps` under make_strategy()
+    (`keras_own`: under TensorFlow's default strategy, where Keras accumulates).
 
     Returns the weights, the optimizer's update count, and how many gradient
     all-reduces ran (the transport's, or a counting cross-device op's).
@@ -29,14 +30,15 @@ def train(global_batch, steps, optimizer="sgd", compression=None, transport=None
     if counting:
         counter = CountingReduce()
         kwargs["cross_device_ops"] = counter
-    strategy = td.make_strategy(**kwargs) if (logical_cpus or os.environ.get("TF_CONFIG")) \
+    strategy = td.make_strategy(**kwargs) if (
+        (logical_cpus or os.environ.get("TF_CONFIG")) and not keras_own) \
         else tf.distribute.get_strategy()
     x, y = make_data(STEPS_PER_EPOCH * global_batch * (steps or 1))
     with strategy.scope():
         model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
                                   keras.layers.Dense(4)])
         if optimizer == "sgd":
-            opt = keras.optimizers.SGD(0.1, gradient_accumulation_steps=steps)
+            opt = keras.optimizers.SGD(0.1, momentum, gradient_accumulation_steps=steps)
         else:
             opt = keras.optimizers.Adam(0.01, gradient_accumulation_steps=steps)
         model.compile(opt, keras.losses.SparseCategoricalCrossentropy(from_logits=True))

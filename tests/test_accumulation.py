@@ -52,6 +52,18 @@ def test_mirrored_strategy_accumulates_locally_and_reduces_once_per_update(refer
     assert_close_to(result, references["sgd"])
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_one_replica_accumulates_bitwise_as_keras_does(optimizer):
+    # tf_distrib's accumulation makes two passes over the gradients less per update
+    # (optimizer_hooks); SGD divides its learning rate by K, not the sums.
+    ours, keras_own = (run_workers(train, 1, args=(64, K, optimizer), kwargs={
+        "logical_cpus": 1, "momentum": 0.9, "keras_own": own}, quiet=True)[0].value
+        for own in (False, True))
+    assert ours["updates"] == keras_own["updates"] == 2 * STEPS_PER_EPOCH
+    for w, r in zip(ours["weights"], keras_own["weights"], strict=True):
+        np.testing.assert_array_equal(w, r)
+
+
 def test_bf16_compression_stays_within_its_bound(references):
     a, b = (w.value for w in run_workers(train, 2, args=(64, K, "sgd"),
                                            kwargs={"compression": "bf16"}, quiet=True))

@@ -1,5 +1,6 @@
 """Training jobs that misbehave on purpose: stall, straggle, save slowly (worker processes)."""
 
+import itertools
 import os
 import signal
 import time
@@ -54,18 +55,27 @@ def train(backup_dir=None, epochs=3, stall_at=None, stall_in="callback", stop_at
                       keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 
     source = tf.data.Dataset.from_tensor_slices((x, y))
-    stall = misbehaves and stall_in == "input" and stall_at is not None
-    if slow_worker == index or stall:
+    if misbehaves and stall_in == "input" and stall_at is not None:
         def pause(position):
             # Every worker reads every example ("data" sharding): position // 64 is the step.
-            if stall and position // 64 >= stall_at:
+            if position // 64 >= stall_at:
                 time.sleep(10_000)
-            if slow_worker == index and position % 64 == 0:
-                time.sleep(slow_seconds)
             return position
 
         source = source.enumerate().map(
             lambda i, e: (tf.numpy_function(pause, [i], tf.int64), e)).map(lambda i, e: e)
+    if slow_worker is not None:
+        # Every worker builds the same pipeline, as a plain dataset needs to skip
+        # TensorFlow's per-step data check (`tf_distrib._equal_batches`); one sleeps.
+        examples = itertools.count()
+
+        def slow_down(features):
+            if slow_worker == index and next(examples) % 64 == 0:
+                time.sleep(slow_seconds)
+            return features
+
+        source = source.map(lambda f, label: (tf.ensure_shape(
+            tf.numpy_function(slow_down, [f], tf.float32), f.shape), label))
 
     if plain:
         dataset, steps = source.batch(64), None

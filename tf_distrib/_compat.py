@@ -149,6 +149,12 @@ def distributed_cardinality(dataset) -> int | None:
     return getattr(dataset, "_cardinality", None)
 
 
+def dataset_inputs(dataset) -> list | None:
+    """The datasets a tf.data dataset reads from; None where TensorFlow does not say."""
+    inputs = getattr(dataset, "_inputs", None)
+    return None if inputs is None else list(inputs())
+
+
 def skip_partial_batch_checks(dataset) -> None:
     """Stops a distributed dataset's iterators from all-reducing "has data" every step.
 
@@ -290,6 +296,7 @@ _STATIC = [
      "_create_device_dataset"),
     ("tensorflow", "tensorflow.python.distribute.input_lib", "_should_use_multi_device_iterator"),
     ("tensorflow", "tensorflow.python.eager.context", "context"),
+    ("tensorflow", "tensorflow.python.data.ops.dataset_ops", "DatasetV2._inputs"),
     ("tensorflow", "tensorflow.python.framework.ops", "Operation._add_control_input"),
     ("keras", "keras", "Model._symbolic_build"),
     ("keras", "keras", "Model._compute_loss"),

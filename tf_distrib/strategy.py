@@ -28,6 +28,7 @@ import tensorflow as tf
 
 from tf_distrib import (
     _compat,
+    _equal_batches,
     _input_iterators,
     _step_function,
     contract,
@@ -100,7 +101,9 @@ class _HostInput:
     A worker of one CPU device (a CPU worker under MWMS) iterates with plain tf.data
     iterators instead of TF's MultiDeviceIterator, which made tf.data rewrite the whole
     pipeline again for every epoch's iterators (`_compat.iterate_with_plain_iterators`).
-    A caller's own `InputOptions` are kept.
+    A plain dataset whose global batches are all full skips TensorFlow's per-step check
+    that every replica still has data (`_equal_batches`). A caller's own `InputOptions`
+    are kept.
     """
 
     _HOST_INPUT = tf.distribute.InputOptions(experimental_fetch_to_device=False)
@@ -115,9 +118,22 @@ class _HostInput:
 
     def experimental_distribute_dataset(self, dataset, options=None):
         # What Keras calls for a dataset given to `fit`: the user's own pipeline.
-        return self._managed(
-            super().experimental_distribute_dataset(dataset, self._input_options(options)),
-            options, retire=True)
+        distributed = super().experimental_distribute_dataset(dataset,
+                                                              self._input_options(options))
+        if (getattr(distributed, "_enable_get_next_as_optional", False)
+                and self._every_replica_has_a_batch(dataset)):
+            _compat.skip_partial_batch_checks(distributed)
+        return self._managed(distributed, options, retire=True)
+
+    def _every_replica_has_a_batch(self, dataset) -> bool:
+        proved = _equal_batches.every_replica_has_a_batch(dataset)
+        if self.num_replicas_in_sync == len(self.extended.worker_devices):
+            return proved
+        # Workers may build different pipelines: all must skip the per-step check, or
+        # none (a collective that one worker skips would hang the others).
+        unproved = self.reduce(tf.distribute.ReduceOp.SUM, tf.constant(0.0 if proved else 1.0),
+                               axis=None)
+        return float(unproved) == 0.0
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
         return self._managed(

@@ -8,13 +8,15 @@ with one intra-op thread, and trains one of two models (`MODELS`): the MLP
 `tf.data.Dataset`, batched and finite, the way Keras' and TensorFlow's multi-worker
 tutorials pass it. The ratio of global examples/sec (2 workers / 1 worker) is the scaling;
 2.0 is perfect, Horovod's headline is 90% (1.8). The one worker it is measured against
-trains with TensorFlow's defaults (the default strategy); the plain dataset's 2-worker
-row is also read against `make_strategy()`'s one worker on one CPU (`ALSO_AGAINST`), which
+trains with TensorFlow's defaults (the default strategy); the plain dataset's 2-worker row
+is also read against `make_strategy()`'s one worker on one CPU (`ALSO_AGAINST`), which
 does not stop at each epoch's end as the default strategy does. Two workers that train
-alone, without communicating, give the ceiling for these cores. The gradient all-reduce
-goes through TensorFlow's collective (gRPC) or tf_distrib's transport (shared memory, the
-default on one host, or TCP); with `gradient_accumulation_steps=4` it runs once per 4
-steps. PyTorch DDP (gloo) on the same layout and architecture, when torch is installed.
+alone, without communicating, give the ceiling for these cores, with and without
+accumulation (whose buffers take more of the cache the cores share). The gradient
+all-reduce goes through TensorFlow's collective (gRPC) or tf_distrib's transport (shared
+memory, the default on one host, or TCP); with `gradient_accumulation_steps=4` it runs
+once per 4 steps. PyTorch DDP (gloo) on the same layout and architecture, when torch is
+installed.
 
 Each row also prints what a second worker adds to a step: the CPU seconds per step of a
 worker (`getrusage`, all its threads, over the measured epoch) minus those of the one
@@ -99,6 +101,7 @@ SETTINGS = {
     "2 workers, plain dataset, TF collective": Setting(2, {"transport": "tf"}, data="plain"),
     f"1 worker, K={ACCUMULATION}": Setting(1, None, ACCUMULATION),
     f"2 workers, K={ACCUMULATION}, tf_distrib": Setting(2, accumulation=ACCUMULATION),
+    f"2 workers, K={ACCUMULATION}, no communication": Setting(2, None, ACCUMULATION),
     f"2 workers, K={ACCUMULATION}, TF collective": Setting(2, {"transport": "tf"},
                                                           ACCUMULATION),
 }

@@ -1,0 +1,74 @@
+"""Whether every replica provably gets a batch at every step of a plain dataset.
+
+A `tf.data.Dataset` given to `fit` under a tf.distribute strategy is split into a piece
+of each global batch per replica (TensorFlow rebatches it, and under
+MultiWorkerMirroredStrategy shards the pieces by worker). Unless its batches have a
+static size, TensorFlow then asks at every step whether every replica still has data
+(`get_next_as_optional`): the last global batch may be too small to give every replica
+a piece. Across workers that question is a collective, a second synchronisation per
+step (profiled on the benchmark MLP: 0.48 ms of worker 0's step went there, and 0.2 ms
+less into the gradient all-reduce that followed).
+
+When the dataset is one `batch(B)` over N examples, N known and a multiple of B, with
+nothing above the batch that could change its size (prefetch, options, cache), every
+global batch is full: every replica gets a piece at every step, and the check can go.
+The examples must come from memory (tensor slices, a tensor, a range) through one-input
+steps only, so that TensorFlow's automatic sharding falls back to sharding by data
+rather than by files. Whatever this module does not recognise keeps TensorFlow's check.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tf_distrib import _compat
+
+# Steps above the batch that keep each batch as it is (TensorFlow's class names).
+_KEEP_BATCHES = {"_PrefetchDataset", "_OptionsDataset", "CacheDataset"}
+_BATCHES = {"_BatchDataset", "_ParallelBatchDataset"}
+# Sources that read no files: automatic sharding cannot shard them by file.
+_IN_MEMORY = {"_TensorSliceDataset", "_TensorDataset", "_RangeDataset"}
+# Sharding policies under which such a source is sharded by data, or not at all.
+_POLICIES = {tf.data.experimental.AutoShardPolicy.AUTO, tf.data.experimental.AutoShardPolicy.DATA,
+             tf.data.experimental.AutoShardPolicy.OFF}
+
+
+def every_replica_has_a_batch(dataset: tf.data.Dataset) -> bool:
+    """Whether every global batch of `dataset` is full (see the module's docstring).
+
+    Args:
+        dataset: The dataset given to the strategy.
+
+    Returns:
+        True only where it is proved; False for anything else.
+    """
+    if dataset.options().experimental_distribute.auto_shard_policy not in _POLICIES:
+        return False
+    node = dataset
+    while type(node).__name__ in _KEEP_BATCHES:
+        node = _only_input(node)
+    if type(node).__name__ not in _BATCHES:
+        return False
+    examples = _only_input(node)
+    batch = getattr(node, "_batch_size", None)
+    if examples is None or batch is None or not _from_memory(examples):
+        return False
+    count, batch = int(examples.cardinality()), int(batch)
+    return count > 0 and batch > 0 and count % batch == 0
+
+
+def _from_memory(dataset) -> bool:
+    """Whether `dataset` is a chain of one-input steps over an in-memory source."""
+    for _ in range(1000):  # pipelines are short; anything longer keeps the check
+        if _compat.dataset_inputs(dataset) == []:
+            return type(dataset).__name__ in _IN_MEMORY
+        dataset = _only_input(dataset)
+        if dataset is None:
+            return False
+    return False
+
+
+def _only_input(dataset):
+    """The one dataset `dataset` reads from; None if it reads from several, or none."""
+    inputs = _compat.dataset_inputs(dataset)
+    return inputs[0] if inputs is not None and len(inputs) == 1 else None

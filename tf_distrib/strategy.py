@@ -120,20 +120,20 @@ class _HostInput:
         # What Keras calls for a dataset given to `fit`: the user's own pipeline.
         distributed = super().experimental_distribute_dataset(dataset,
                                                               self._input_options(options))
-        if (getattr(distributed, "_enable_get_next_as_optional", False)
-                and self._every_replica_has_a_batch(dataset)):
+        checks = getattr(distributed, "_enable_get_next_as_optional", False)
+        needs = checks and not _equal_batches.every_replica_has_a_batch(dataset)
+        if self._nobody_needs_the_check(needs) and checks:  # every worker asks, first
             _compat.skip_partial_batch_checks(distributed)
         return self._managed(distributed, options, retire=True)
 
-    def _every_replica_has_a_batch(self, dataset) -> bool:
-        proved = _equal_batches.every_replica_has_a_batch(dataset)
+    def _nobody_needs_the_check(self, needs: bool) -> bool:
         if self.num_replicas_in_sync == len(self.extended.worker_devices):
-            return proved
+            return not needs
         # Workers may build different pipelines: all must skip the per-step check, or
-        # none (a collective that one worker skips would hang the others).
-        unproved = self.reduce(tf.distribute.ReduceOp.SUM, tf.constant(0.0 if proved else 1.0),
-                               axis=None)
-        return float(unproved) == 0.0
+        # none (a collective that one worker skips would hang the others). So every
+        # worker takes part here, whatever its dataset.
+        needing = self.reduce(tf.distribute.ReduceOp.SUM, tf.constant(float(needs)), axis=None)
+        return float(needing) == 0.0
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
         return self._managed(

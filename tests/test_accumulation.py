@@ -54,7 +54,7 @@ def test_mirrored_strategy_accumulates_locally_and_reduces_once_per_update(refer
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_one_replica_accumulates_bitwise_as_keras_does(optimizer):
-    # tf_distrib's accumulation makes two passes over the gradients less per update
+    # tf_distrib's accumulation makes two passes over the gradients fewer per update
     # (optimizer_hooks); SGD divides its learning rate by K, not the sums.
     ours, keras_own = (run_workers(train, 1, args=(64, K, optimizer), kwargs={
         "logical_cpus": 1, "momentum": 0.9, "keras_own": own}, quiet=True)[0].value

@@ -155,6 +155,12 @@ def dataset_inputs(dataset) -> list | None:
     return None if inputs is None else list(inputs())
 
 
+def dataset_batch_size(dataset) -> int | None:
+    """The batch size of a tf.data `batch()` dataset; None where TensorFlow does not say."""
+    size = getattr(dataset, "_batch_size", None)
+    return None if size is None else int(size)
+
+
 def skip_partial_batch_checks(dataset) -> None:
     """Stops a distributed dataset's iterators from all-reducing "has data" every step.
 

@@ -50,21 +50,22 @@ def every_replica_has_a_batch(dataset: tf.data.Dataset) -> bool:
     if type(node).__name__ not in _BATCHES:
         return False
     examples = _only_input(node)
-    batch = getattr(node, "_batch_size", None)
-    if examples is None or batch is None or not _from_memory(examples):
+    batch = _compat.dataset_batch_size(node)
+    if examples is None or not batch or not _from_memory(examples):
         return False
-    count, batch = int(examples.cardinality()), int(batch)
-    return count > 0 and batch > 0 and count % batch == 0
+    count = int(examples.cardinality())
+    return count > 0 and count % batch == 0
 
 
 def _from_memory(dataset) -> bool:
     """Whether `dataset` is a chain of one-input steps over an in-memory source."""
     for _ in range(1000):  # pipelines are short; anything longer keeps the check
-        if _compat.dataset_inputs(dataset) == []:
+        inputs = _compat.dataset_inputs(dataset)
+        if inputs == []:
             return type(dataset).__name__ in _IN_MEMORY
-        dataset = _only_input(dataset)
-        if dataset is None:
+        if inputs is None or len(inputs) != 1:  # zip, concatenate, ...
             return False
+        [dataset] = inputs
     return False
 
 

@@ -95,8 +95,7 @@ def _fused_sgd(optimizer, grads, variables, learning_rate) -> bool:
     """
     strategy = _compat.optimizer_strategy(optimizer)
     reduce = gradient_all_reduce(strategy)
-    if (reduce is None or not tf.distribute.get_replica_context()
-            or type(optimizer).update_step is not keras.optimizers.SGD.update_step):
+    if reduce is None or not tf.distribute.get_replica_context() or not _is_sgd(optimizer):
         return False
     velocities, momentum = None, None
     if optimizer.momentum != 0:
@@ -139,8 +138,7 @@ def _accumulate_then_apply(optimizer, grads, variables) -> None:
     internals = _compat.accumulation_internals(optimizer)
     accumulators = [internals.accumulated_gradients[internals.get_variable_index(v)].value
                     for v in variables]
-    scales_learning_rate = (type(optimizer).update_step is keras.optimizers.SGD.update_step
-                            and not _clips(optimizer))
+    scales_learning_rate = _is_sgd(optimizer) and not _clips(optimizer)
 
     def update(grads):
         # Keras' update step, as its BaseOptimizer runs it, in each replica.
@@ -173,6 +171,11 @@ def _accumulate_then_apply(optimizer, grads, variables) -> None:
 
     tf.distribute.get_replica_context().merge_call(in_cross_replica_context,
                                                    args=(list(grads),))
+
+
+def _is_sgd(optimizer) -> bool:
+    """Whether the optimizer steps as Keras' SGD does (its `update_step`)."""
+    return type(optimizer).update_step is keras.optimizers.SGD.update_step
 
 
 def _clips(optimizer) -> bool:

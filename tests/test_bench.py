@@ -14,20 +14,22 @@ def test_a_failed_benchmark_process_says_why():
 def test_scaling_and_overhead_pair_each_row_with_its_baseline_of_the_same_round():
     from tf_distrib.bench.scaling import _rounds
 
-    def measurements(rates, cpu_ms):
-        rows = iter([{"examples_per_sec": r, "cpu_per_step": c / 1e3}
-                     for r, c in zip(rates, cpu_ms, strict=True)])
+    def measurements(rates, cpu_ms, collectives_ms=(None,) * 3):
+        rows = iter([{"examples_per_sec": r, "cpu_per_step": c / 1e3,
+                      "in_collectives_per_step": k and k / 1e3}
+                     for r, c, k in zip(rates, cpu_ms, collectives_ms, strict=True)])
         return lambda: next(rows)
 
     # The machine's speed moves between rounds; each round's pair moves with it.
     runs = {"1 worker": ("1 worker", measurements([100, 200, 150], [30, 40, 35])),
-            "2 workers": ("1 worker", measurements([190, 360, 240], [32, 43, 41]))}
+            "2 workers": ("1 worker", measurements([190, 360, 240], [32, 43, 41], [1, 3, 2]))}
     report = _rounds(runs, rounds=3)
     assert report["scaling_per_round"]["2 workers"] == pytest.approx([1.9, 1.8, 1.6])
     assert report["scaling"]["2 workers"] == pytest.approx(1.8)  # not 240 / 150
     assert report["overhead_ms_per_round"]["2 workers"] == pytest.approx([2, 3, 6])
     assert report["overhead_ms_per_step"]["2 workers"] == pytest.approx(3)  # not 41 - 35
     assert report["overhead_ms_per_step"]["1 worker"] == 0
+    assert report["in_collectives_ms_per_step"] == {"2 workers": pytest.approx(2)}
 
 
 def test_a_row_is_also_read_against_another_one_worker_row_of_the_same_round():
@@ -48,14 +50,19 @@ def test_a_row_is_also_read_against_another_one_worker_row_of_the_same_round():
 def test_in_turns_each_pair_epoch_meets_the_one_worker_epochs_around_it():
     from tf_distrib.bench.scaling import _compare_turns
 
-    alone = {"examples_per_sec": [0, 100, 300, 200], "cpu_per_step": [0, 0.030, 0.050, 0.040]}
-    pair = [{"examples_per_sec": [0, 360, 500], "cpu_per_step": [0, c, c + 0.002]}
-            for c in (0.042, 0.044)]
+    alone = {"examples_per_sec": [0, 100, 300, 200], "cpu_per_step": [0, 0.030, 0.050, 0.040],
+             "in_collectives_per_step": [None] * 4}
+    pair = [{"examples_per_sec": [0, 360, 500], "cpu_per_step": [0, c, c + 0.002],
+             "in_collectives_per_step": [0, c / 10, c / 20]} for c in (0.042, 0.044)]
     turns = _compare_turns([*pair, alone], pairs=2, apart=False)
     assert turns["scaling"] == pytest.approx([360 / 200, 500 / 250])
     assert turns["overhead_ms_per_step"] == pytest.approx([43 - 40, 45 - 45])
+    assert turns["in_collectives_ms_per_step"] == pytest.approx([4.3, 2.15])
+    for worker in pair:
+        worker["in_collectives_per_step"] = [None] * 3
     ceiling = _compare_turns([*pair, alone], pairs=2, apart=True)  # both rates add
     assert ceiling["scaling"] == pytest.approx([720 / 200, 1000 / 250])
+    assert ceiling["in_collectives_ms_per_step"] is None
 
 
 def test_a_turn_that_never_comes_times_out_naming_what_is_missing(tmp_path):

@@ -25,9 +25,15 @@ floor of that overhead on this machine's memory (`all_reduce_floor`): the copy a
 sum that each of 2 workers cannot avoid in a shared-memory all-reduce of the model's
 gradients, timed in one process on one core.
 
-On the MLP, tf_distrib's rows and the ceiling are also measured in turns (`in_turns`):
-one worker alone and the two workers train an epoch each in alternation, each 2-worker
-epoch against the one-worker epochs just before and after it, seconds apart.
+Rows whose gradients go through tf_distrib's transport also print the milliseconds per
+step each worker spent inside its collectives (the gradients' and the logged loss's
+copies and sums, and waiting for the other worker: `Throughput`'s `busy_time` subtracted
+from the step); what exceeds the floor is mostly waiting for the slower core.
+
+On the MLP, tf_distrib's rows (K=1 and K=4) and their ceilings are also measured in turns
+(`in_turns`): one worker alone and the two workers train an epoch each in alternation,
+each 2-worker epoch against the one-worker epochs just before and after it, seconds
+apart.
 
 Every setting runs once per round, in 3 rounds, and the scaling is the median over
 rounds of a setting's rate over the one-worker rate of its own round (the overhead is
@@ -156,8 +162,9 @@ def train_worker(strategy_args: dict | None, accumulation: int | None = None,
             worker trains 2 epochs at once and the second is measured.
 
     Returns:
-        {"examples_per_sec": the job's rate, "cpu_per_step": this worker's CPU seconds};
-        with `turns`, lists of them, an item per epoch.
+        {"examples_per_sec": the job's rate, "cpu_per_step": this worker's CPU seconds,
+        "in_collectives_per_step": its seconds inside the transport's collectives, or
+        None without the transport}; with `turns`, lists of them, an item per epoch.
     """
     index = int(os.environ["TF_DISTRIB_WORKER_INDEX"])
     os.sched_setaffinity(0, {index % os.cpu_count()})
@@ -225,9 +232,14 @@ def train_worker(strategy_args: dict | None, accumulation: int | None = None,
     history = net.fit(fit_data, epochs=epochs, steps_per_epoch=steps, verbose=0,
                       callbacks=[cpu, td.callbacks.Throughput(global_batch)])
     rates = history.history["examples_per_sec"]
+    busy = history.history.get("busy_time")  # only with tf_distrib's transport
+    collectives = ([global_batch / r - b for r, b in zip(rates, busy, strict=True)]
+                   if busy else [None] * len(rates))
     if turns is None:
-        return {"examples_per_sec": rates[-1], "cpu_per_step": cpu.per_step[-1]}
-    return {"examples_per_sec": rates, "cpu_per_step": cpu.per_step}
+        return {"examples_per_sec": rates[-1], "cpu_per_step": cpu.per_step[-1],
+                "in_collectives_per_step": collectives[-1]}
+    return {"examples_per_sec": rates, "cpu_per_step": cpu.per_step,
+            "in_collectives_per_step": collectives}
 
 
 def _wait_for_turn(turns: Turns, index: int, epoch: int, timeout: float = 300) -> None:
@@ -282,12 +294,11 @@ def all_reduce_floor(nbytes: int, repeats: int = 50) -> float:
 
 
 # Rows measured in turns (`in_turns`) on the MLP: tf_distrib's two data paths, whose
-# overhead the goal is about, and the ceiling to read them against.
-TURNS = {
-    "2 workers, tf_distrib (default: shm)": Setting(2),
-    "2 workers, plain dataset, tf_distrib": Setting(2, data="plain"),
-    "2 workers, no communication (the ceiling)": Setting(2, None),
-}
+# overhead the goal is about, and accumulation, each with the ceiling to read it against.
+TURNS = {name: SETTINGS[name] for name in (
+    "2 workers, tf_distrib (default: shm)", "2 workers, plain dataset, tf_distrib",
+    "2 workers, no communication (the ceiling)", f"2 workers, K={ACCUMULATION}, tf_distrib",
+    f"2 workers, K={ACCUMULATION}, no communication")}
 PAIRS = 8
 
 
@@ -299,16 +310,17 @@ def in_turns(setting: Setting, pairs: int = PAIRS) -> dict:
     of `run` are minutes apart), so that the VM's changes of speed cancel out.
 
     Args:
-        setting: A 2-worker `Setting` (its data path and strategy; no accumulation).
+        setting: A 2-worker `Setting`; the lone worker takes its accumulation.
         pairs: Measured epochs of each. Defaults to `PAIRS`.
 
     Returns:
-        {"scaling": [per pair], "overhead_ms_per_step": [per pair]}.
+        {"scaling": [per pair], "overhead_ms_per_step": [per pair],
+        "in_collectives_ms_per_step": [per pair], or None without the transport}.
     """
     import tempfile
 
     with tempfile.TemporaryDirectory() as directory:
-        values = _launch(3, setting.strategy, None, "mlp", setting.data,
+        values = _launch(3, setting.strategy, setting.accumulation, "mlp", setting.data,
                          Turns(directory, pairs))
     return _compare_turns(values, pairs, apart=setting.strategy is None)
 
@@ -342,10 +354,13 @@ def _compare_turns(values: list, pairs: int, apart: bool) -> dict:
         return _job_rate([w["examples_per_sec"][epoch] for w in pair], apart)
 
     measured = range(1, pairs + 1)  # the pair's epoch 0 is the warm-up
+    collectives = [[w["in_collectives_per_step"][e] for w in pair] for e in measured]
     return {"scaling": [rate(e) / around("examples_per_sec", e) for e in measured],
             "overhead_ms_per_step": [
                 (statistics.mean(w["cpu_per_step"][e] for w in pair)
-                 - around("cpu_per_step", e)) * 1e3 for e in measured]}
+                 - around("cpu_per_step", e)) * 1e3 for e in measured],
+            "in_collectives_ms_per_step": None if None in collectives[0]
+            else [statistics.mean(c) * 1e3 for c in collectives]}
 
 
 def run(options) -> dict:
@@ -354,9 +369,12 @@ def run(options) -> dict:
     def tf_run(model, setting):
         values = _launch(setting.workers, setting.strategy, setting.accumulation, model,
                          setting.data)
+        collectives = [v["in_collectives_per_step"] for v in values]
         return {"examples_per_sec": _job_rate([v["examples_per_sec"] for v in values],
                                               apart=setting.strategy is None),
-                "cpu_per_step": statistics.mean(v["cpu_per_step"] for v in values)}
+                "cpu_per_step": statistics.mean(v["cpu_per_step"] for v in values),
+                "in_collectives_per_step": None if None in collectives
+                else statistics.mean(collectives)}
 
     report = {}
     for model in MODELS:
@@ -416,6 +434,10 @@ def _rounds(runs: dict, rounds: int) -> dict:
                                 for name, ms in measured.items()},
             "overhead_ms_per_step": {name: statistics.median(o) for name, o in overhead.items()},
             "overhead_ms_per_round": overhead,
+            "in_collectives_ms_per_step": {
+                name: statistics.median(m["in_collectives_per_step"] for m in ms) * 1e3
+                for name, ms in measured.items()
+                if ms[0].get("in_collectives_per_step") is not None},
             "rounds": rounds}
 
 
@@ -430,15 +452,18 @@ def _print(model: Model, runs: dict, report: dict) -> None:
     print(f"{model.title}, {model.per_worker_batch} examples per worker per step, one core "
           f"and one intra-op thread per worker; medians of {report['rounds']} round(s); "
           "overhead: CPU ms per step of a worker minus its one-worker row's in the same "
-          "round (lowest to highest round)")
+          "round (lowest to highest round); in collectives: ms per step inside the "
+          "transport's collectives")
     print(f"  {'setting':<48}{'examples/s':>12}{'scaling':>10}{'CPU ms/step':>13}"
-          f"{'overhead':>10}{'rounds':>16}")
+          f"{'overhead':>10}{'rounds':>16}{'in collectives':>16}")
     for name in runs:
         rounds = report["overhead_ms_per_round"][name]
+        collectives = report["in_collectives_ms_per_step"].get(name)
         print(f"  {name:<48}{report['examples_per_sec'][name]:>12.0f}"
               f"{report['scaling'][name]:>9.2f}x{report['cpu_ms_per_step'][name]:>13.2f}"
               f"{report['overhead_ms_per_step'][name]:>10.2f}"
-              f"{_spread(rounds):>16}")
+              f"{_spread(rounds):>16}"
+              f"{'' if collectives is None else f'{collectives:.2f}':>16}")
     for name, scaling in report["also_against"].items():
         print(f"  {name}, against {ALSO_AGAINST[name]!r}: {scaling:.2f}x")
     for name, setting in SETTINGS.items():
@@ -460,9 +485,11 @@ def _print_turns(turns: dict) -> None:
           f"median (lowest to highest) of {pairs} epochs")
     for name, measured in turns.items():
         scaling, overhead = measured["scaling"], measured["overhead_ms_per_step"]
+        collectives = measured["in_collectives_ms_per_step"]
         print(f"  {name:<48}{'':>12}{statistics.median(scaling):>9.2f}x{'':>13}"
               f"{statistics.median(overhead):>10.2f}"
-              f"{_spread(overhead):>16}")
+              f"{_spread(overhead):>16}"
+              f"{'' if collectives is None else f'{statistics.median(collectives):.2f}':>16}")
 
 
 def _spread(values: list) -> str:

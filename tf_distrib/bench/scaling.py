@@ -33,7 +33,10 @@ from the step); what exceeds the floor is mostly waiting for the slower core.
 On the MLP, tf_distrib's rows (K=1 and K=4) and their ceilings are also measured in turns
 (`in_turns`): one worker alone and the two workers train an epoch each in alternation,
 each 2-worker epoch against the one-worker epochs just before and after it, seconds
-apart.
+apart. In turns only, two tf_distrib workers that meet at every step without exchanging
+gradients (accumulation that never updates, `NEVER`) measure what synchronising alone
+costs on these cores: the two cores of this VM run at speeds that differ by up to 2x for
+seconds at a time, and a synchronous pair moves at the slower one's.
 
 Every setting runs once per round, in 3 rounds, and the scaling is the median over
 rounds of a setting's rate over the one-worker rate of its own round (the overhead is
@@ -293,12 +296,17 @@ def all_reduce_floor(nbytes: int, repeats: int = 50) -> float:
     return statistics.median(times[5:])
 
 
+# Accumulation that never reaches an update: the workers meet at every step (Keras'
+# logged loss) but exchange no gradients, so that this row, between K=4's pair and the
+# ceiling, tells what the meetings cost on these cores from what the exchange costs.
+NEVER = 1_000_000
 # Rows measured in turns (`in_turns`) on the MLP: tf_distrib's two data paths, whose
 # overhead the goal is about, and accumulation, each with the ceiling to read it against.
 TURNS = {name: SETTINGS[name] for name in (
     "2 workers, tf_distrib (default: shm)", "2 workers, plain dataset, tf_distrib",
     "2 workers, no communication (the ceiling)", f"2 workers, K={ACCUMULATION}, tf_distrib",
     f"2 workers, K={ACCUMULATION}, no communication")}
+TURNS["2 workers, tf_distrib, a meeting per step, no exchange"] = Setting(2, accumulation=NEVER)
 PAIRS = 8
 
 

@@ -306,7 +306,7 @@ TURNS = {name: SETTINGS[name] for name in (
     "2 workers, tf_distrib (default: shm)", "2 workers, plain dataset, tf_distrib",
     "2 workers, no communication (the ceiling)", f"2 workers, K={ACCUMULATION}, tf_distrib",
     f"2 workers, K={ACCUMULATION}, no communication")}
-TURNS["2 workers, tf_distrib, a meeting per step, no exchange"] = Setting(2, accumulation=NEVER)
+TURNS["2 workers, tf_distrib, synchronised, no exchange"] = Setting(2, accumulation=NEVER)
 PAIRS = 8
 
 

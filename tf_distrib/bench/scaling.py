@@ -362,13 +362,13 @@ def _compare_turns(values: list, pairs: int, apart: bool) -> dict:
         return _job_rate([w["examples_per_sec"][epoch] for w in pair], apart)
 
     measured = range(1, pairs + 1)  # the pair's epoch 0 is the warm-up
-    collectives = [[w["in_collectives_per_step"][e] for w in pair] for e in measured]
+    collectives = [_mean([w["in_collectives_per_step"][e] for w in pair]) for e in measured]
     return {"scaling": [rate(e) / around("examples_per_sec", e) for e in measured],
             "overhead_ms_per_step": [
                 (statistics.mean(w["cpu_per_step"][e] for w in pair)
                  - around("cpu_per_step", e)) * 1e3 for e in measured],
-            "in_collectives_ms_per_step": None if None in collectives[0]
-            else [statistics.mean(c) * 1e3 for c in collectives]}
+            "in_collectives_ms_per_step": None if None in collectives
+            else [c * 1e3 for c in collectives]}
 
 
 def run(options) -> dict:
@@ -377,12 +377,11 @@ def run(options) -> dict:
     def tf_run(model, setting):
         values = _launch(setting.workers, setting.strategy, setting.accumulation, model,
                          setting.data)
-        collectives = [v["in_collectives_per_step"] for v in values]
         return {"examples_per_sec": _job_rate([v["examples_per_sec"] for v in values],
                                               apart=setting.strategy is None),
                 "cpu_per_step": statistics.mean(v["cpu_per_step"] for v in values),
-                "in_collectives_per_step": None if None in collectives
-                else statistics.mean(collectives)}
+                "in_collectives_per_step": _mean([v["in_collectives_per_step"]
+                                                  for v in values])}
 
     report = {}
     for model in MODELS:
@@ -471,7 +470,7 @@ def _print(model: Model, runs: dict, report: dict) -> None:
               f"{report['scaling'][name]:>9.2f}x{report['cpu_ms_per_step'][name]:>13.2f}"
               f"{report['overhead_ms_per_step'][name]:>10.2f}"
               f"{_spread(rounds):>16}"
-              f"{'' if collectives is None else f'{collectives:.2f}':>16}")
+              f"{_ms(collectives):>16}")
     for name, scaling in report["also_against"].items():
         print(f"  {name}, against {ALSO_AGAINST[name]!r}: {scaling:.2f}x")
     for name, setting in SETTINGS.items():
@@ -497,8 +496,18 @@ def _print_turns(turns: dict) -> None:
         print(f"  {name:<48}{'':>12}{statistics.median(scaling):>9.2f}x{'':>13}"
               f"{statistics.median(overhead):>10.2f}"
               f"{_spread(overhead):>16}"
-              f"{'' if collectives is None else f'{statistics.median(collectives):.2f}':>16}")
+              f"{_ms(collectives and statistics.median(collectives)):>16}")
 
 
 def _spread(values: list) -> str:
     return f"{min(values):.1f} to {max(values):.1f}"
+
+
+def _mean(values: list) -> float | None:
+    """The workers' mean; None when they ran without the transport (None each)."""
+    return None if None in values else statistics.mean(values)
+
+
+def _ms(value: float | None) -> str:
+    """A cell of milliseconds; empty for rows without the transport."""
+    return "" if value is None else f"{value:.2f}"

@@ -22,7 +22,7 @@ def train(backup_dir=None, epochs=3, stall_at=None, stall_in="callback", stop_at
         slow_worker: This worker's input pipeline takes `slow_seconds` longer per step.
         slow_save: Each backup takes this many seconds longer to write.
         stop_in: Worker 1 sends itself SIGSTOP as it enters this start-up phase
-            (`tf_distrib.phases`); in "cluster", 0.5 s after it, while it waits for
+            (`tf_distrib.health.phases`); in "cluster", 0.5 s after it, while it waits for
             worker 0, which starts 3 s late.
         slow_start: Worker 1 sleeps this many seconds before `make_strategy`.
         plain: Pass `fit` a batched, finite `tf.data.Dataset` (as Keras' tutorials do)
@@ -66,7 +66,7 @@ def train(backup_dir=None, epochs=3, stall_at=None, stall_in="callback", stop_at
             lambda i, e: (tf.numpy_function(pause, [i], tf.int64), e)).map(lambda i, e: e)
     if slow_worker is not None:
         # Every worker builds the same pipeline, as a plain dataset needs to skip
-        # TensorFlow's per-step data check (`tf_distrib._equal_batches`); one sleeps.
+        # TensorFlow's per-step data check (`tf_distrib.strategy._equal_batches`); one sleeps.
         examples = itertools.count()
 
         def slow_down(features):

@@ -14,8 +14,8 @@ import shutil
 import signal
 import time
 
-from tf_distrib import simulated_hosts
 from tf_distrib.launch import liveness
+from tf_distrib.testing import simulated_hosts
 from tf_distrib.transport.shared_memory import SEGMENT_PREFIX
 
 

@@ -3,7 +3,7 @@
 Everything lives in one private directory: a generated munge key and socket, a
 generated slurm.conf (partition "test"), the daemons' state, spool and logs. The nodes:
 this machine as one node named "localhost" with 2 CPUs, or simulated hosts
-(`tf_distrib.simulated_hosts`), one node of 1 CPU per host, named by its hostname, with
+(`tf_distrib.testing.simulated_hosts`), one node of 1 CPU per host, named by its hostname, with
 munged, slurmctld, the clients and the batch script on host 0 (munged's socket is a file
 every host sees). Only `make system-deps` touches the system (it installs
 Debian's slurm-wlm and munge). `stop()` cancels every job and stops the daemons.

@@ -200,7 +200,7 @@ def gradient_collectives(strategy, model):
     """
     import tensorflow as tf
 
-    from tf_distrib import optimizer_hooks
+    from tf_distrib.strategy import optimizer_hooks
 
     reduce = optimizer_hooks.gradient_all_reduce(strategy)
     if reduce is None:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_distrib._equal_batches import every_replica_has_a_batch
+from tf_distrib.strategy._equal_batches import every_replica_has_a_batch
 from tf_distrib.testing import run_workers
 
 STEPS, BATCH, EPOCHS = 16, 64, 2

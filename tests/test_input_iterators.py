@@ -1,6 +1,6 @@
 """The input iterators of tf_distrib's strategies: glibc's mmap threshold after TensorFlow
-lowers it (tf_distrib._malloc), and spent iterators torn down off the training thread
-(tf_distrib._input_iterators)."""
+lowers it (tf_distrib.strategy._malloc), and spent iterators torn down off the training thread
+(tf_distrib.strategy._input_iterators)."""
 
 import json
 import os
@@ -12,7 +12,7 @@ import tensorflow as tf
 
 import tf_distrib as td
 from tests._training import tear_down_a_spent_iterator
-from tf_distrib import _malloc
+from tf_distrib.strategy import _malloc
 
 # TensorFlow lowers the threshold once per process (when it first builds an input
 # iterator's GeneratorDataset kernel), so each measurement runs in a fresh process.
@@ -52,7 +52,7 @@ def _page_faults_per_buffer(**env) -> dict:
 def test_make_strategy_iterators_keep_large_buffers_mapped():
     faults = _page_faults_per_buffer()
     assert faults["before"] < 20
-    # If this fails, TensorFlow no longer lowers the threshold: drop tf_distrib._malloc.
+    # If this fails, TensorFlow no longer lowers the threshold: drop tf_distrib.strategy._malloc.
     assert faults["tensorflow"] > 200
     assert faults["tf_distrib"] < 20
 

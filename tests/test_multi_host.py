@@ -1,7 +1,7 @@
 """Multi-host paths across simulated hosts: own address, hostname and /dev/shm each.
 
 Every host runs its own `tf-distrib launch --hosts ... --host-index i`; the hosts talk
-over veth links through a bridge, shaped to 10 Gbit/s (tf_distrib.simulated_hosts).
+over veth links through a bridge, shaped to 10 Gbit/s (tf_distrib.testing.simulated_hosts).
 """
 
 import os
@@ -13,8 +13,8 @@ import time
 import numpy as np
 import pytest
 
-from tf_distrib import simulated_hosts
-from tf_distrib.simulated_hosts import SimulatedHosts
+from tf_distrib.testing import simulated_hosts
+from tf_distrib.testing.simulated_hosts import SimulatedHosts
 
 pytestmark = [pytest.mark.multiprocess,
               pytest.mark.skipif(simulated_hosts.unavailable() is not None,

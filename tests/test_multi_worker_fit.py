@@ -5,7 +5,7 @@ import pytest
 
 from tf_distrib.demo import train
 from tf_distrib.testing import WorkersFailed, run_workers
-from tf_distrib.transport import native_sum
+from tf_distrib.transport import native_build, native_sum
 
 pytestmark = pytest.mark.multiprocess
 
@@ -47,7 +47,7 @@ def test_two_workers_match_mirrored_on_two_logical_cpus():
     # (`tf_distrib.transport.native_sum`), else reduce-scattered in place in shared memory.
     assert a["collectives"] == b["collectives"] > 0
     assert a["native"] == b["native"] == (native_sum.enabled()
-                                             and native_sum.compiler() is not None)
+                                             and native_build.compiler() is not None)
     assert a["native"] or a["in_place"] == b["in_place"] > 0
     np.testing.assert_allclose(a["loss"], ref["loss"], rtol=1e-5)
     for wa, wb, wr in zip(a["weights"], b["weights"], ref["weights"], strict=True):

@@ -119,7 +119,7 @@ def fit_with_sgd_fused_and_not():
     import tensorflow as tf
 
     import tf_distrib as td
-    from tf_distrib.optimizer_hooks import gradient_all_reduce
+    from tf_distrib.strategy.optimizer_hooks import gradient_all_reduce
     from tf_distrib.transport.native_sum import NativeSum
 
     traced = []
@@ -241,7 +241,7 @@ def seconds_to_training(directory):
     the TRAINING phase, with the watcher's liveness poll too slow to notice by polling."""
     import time
 
-    from tf_distrib import phases
+    from tf_distrib.health import phases
     from tf_distrib.transport import graph_op, shared_memory
 
     shared_memory.CHECK_SECONDS = 60.0

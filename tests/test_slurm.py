@@ -1,7 +1,7 @@
 """examples/train.sbatch under a real Slurm: trains, survives preemption, kills, requeues.
 
 One node ("localhost", 2 CPUs) runs both tasks, 2 workers through `srun`; and two nodes
-on simulated hosts (`tf_distrib.simulated_hosts`, one task each, the workers' hostnames
+on simulated hosts (`tf_distrib.testing.simulated_hosts`, one task each, the workers' hostnames
 and addresses from Slurm's node list, the TCP ring between them).
 """
 
@@ -16,7 +16,7 @@ import time
 import pytest
 
 from tests import _slurm
-from tf_distrib import simulated_hosts
+from tf_distrib.testing import simulated_hosts
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slurm]
 

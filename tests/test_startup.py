@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from tests._faults import STEPS_PER_EPOCH, train
-from tf_distrib import phases
 from tf_distrib.cluster import free_ports
+from tf_distrib.health import phases
 from tf_distrib.launch import launch
 from tf_distrib.launch.liveness import is_stopped
 

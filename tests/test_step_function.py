@@ -7,8 +7,8 @@ import pytest
 import tensorflow as tf
 
 import tf_distrib as td
-from tf_distrib import _step_function
 from tf_distrib.datasets import build_model, make_data
+from tf_distrib.strategy import _step_function
 
 GLOBAL_BATCH = 64
 

@@ -3,21 +3,7 @@
 `tf-distrib launch` (and the engines' adapters) set these variables for each worker;
 the strategy, the callbacks and the integrations read them here. A worker tells the
 launcher why it stopped through its exit status. Plain Python, no TensorFlow: the
-launcher imports it, and so does every worker.
-
-| variable | meaning (torchrun's name) |
-|---|---|
-| `TF_DISTRIB_WORKER_INDEX` | this worker's task index (`RANK`) |
-| `TF_DISTRIB_NUM_WORKERS` | workers in this attempt (`WORLD_SIZE`) |
-| `TF_DISTRIB_ATTEMPT` | 0 on the first start, then 1, 2, ... (`TORCHELASTIC_RESTART_COUNT`) |
-| `TF_DISTRIB_MAX_RESTARTS` | restarts the launcher allows (`TORCHELASTIC_MAX_RESTARTS`) |
-| `TF_DISTRIB_STARTUP_TIMEOUT` | seconds the cluster may take to form |
-| `TF_DISTRIB_HANG_TIMEOUT` | seconds without a finished training step before the watchdog fires |
-| `TF_DISTRIB_SECRET` | the job's secret for the gradient transport's connections |
-| `TF_DISTRIB_TRANSPORT` | the gradient transport when `make_strategy` is not told one |
-| `TF_DISTRIB_REPORT_DIR` | where a worker writes its flight-recorder report when it hangs |
-| `TF_DISTRIB_MMAP_THRESHOLD` | glibc mmap threshold the strategies keep (bytes; 0: TF's) |
-| `TF_DISTRIB_NATIVE_SUM` | 0: the shared-memory transport keeps its Python path (no native op) |
+launcher imports it, and so does every worker. docs/launching.md tables them.
 
 Example:
 
@@ -35,17 +21,30 @@ import math
 import os
 from collections.abc import Mapping
 
+#: This worker's task index (torchrun's `RANK`).
 ENV_WORKER_INDEX = "TF_DISTRIB_WORKER_INDEX"
+#: Workers in this attempt (`WORLD_SIZE`).
 ENV_NUM_WORKERS = "TF_DISTRIB_NUM_WORKERS"
+#: 0 on the first start, then 1, 2, ... (`TORCHELASTIC_RESTART_COUNT`).
 ENV_ATTEMPT = "TF_DISTRIB_ATTEMPT"
+#: Restarts the launcher allows (`TORCHELASTIC_MAX_RESTARTS`).
 ENV_MAX_RESTARTS = "TF_DISTRIB_MAX_RESTARTS"
+#: Seconds the cluster may take to form.
 ENV_STARTUP_TIMEOUT = "TF_DISTRIB_STARTUP_TIMEOUT"
+#: Seconds without a finished training step before the watchdog fires.
 ENV_HANG_TIMEOUT = "TF_DISTRIB_HANG_TIMEOUT"
+#: The job's secret for the gradient transport's connections.
 ENV_SECRET = "TF_DISTRIB_SECRET"
+#: The gradient transport when `make_strategy` is not told one.
 ENV_TRANSPORT = "TF_DISTRIB_TRANSPORT"
+#: Where a worker writes its flight-recorder report when it hangs.
 ENV_REPORT_DIR = "TF_DISTRIB_REPORT_DIR"
+#: The glibc mmap threshold the strategies keep (bytes; 0: TensorFlow's).
 ENV_MMAP_THRESHOLD = "TF_DISTRIB_MMAP_THRESHOLD"
+#: 0: the shared-memory transport keeps its Python path (no native op).
 ENV_NATIVE_SUM = "TF_DISTRIB_NATIVE_SUM"
+#: Where the native op's builds (and remembered failed builds) live.
+ENV_CACHE_DIR = "TF_DISTRIB_CACHE_DIR"
 
 #: A worker saved a backup on SIGTERM (preemption) and exited; its peers save at the
 #: same step and exit on their own. Restart the group: it resumes from that step.

@@ -16,7 +16,7 @@ import platform
 import socket
 import sys
 
-from tf_distrib import __version__
+from tf_distrib import __version__, contract
 from tf_distrib import cluster as cluster_lib
 
 _THREAD_VARIABLES = ("OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS")
@@ -39,14 +39,17 @@ def _port_free(port: int) -> bool:
             return False
 
 
-def check(environ=None, devices: bool = True,
-          probe_peers: bool = True) -> tuple[list[str], list[str]]:
+def check(environ=None, devices: bool = True, probe_peers: bool = True,
+          rebuild: bool = False) -> tuple[list[str], list[str]]:
     """Returns (report lines, problems).
 
     Args:
         environ: The environment to read. Defaults to `os.environ`.
-        devices: Import TensorFlow to list devices and threads. Defaults to True.
+        devices: Import TensorFlow to list devices and threads, and build (or find) the
+            native all-reduce op. Defaults to True.
         probe_peers: Try a TCP connection to each peer's port. Defaults to True.
+        rebuild: Build the native op again, forgetting a remembered failed build.
+            Defaults to False.
     """
     env = os.environ if environ is None else environ
     lines, problems = [], []
@@ -72,6 +75,7 @@ def check(environ=None, devices: bool = True,
         lines.append("TensorFlow/Keras internals tf_distrib relies on: "
                      + (f"{len(missing)} missing" if missing else "all present"))
         problems += missing
+        lines.append(_native_op(tf, rebuild))
     try:
         spec = cluster_lib.from_environment(env)
     except cluster_lib.ClusterConfigError as e:
@@ -116,6 +120,24 @@ def check(environ=None, devices: bool = True,
     return lines, problems
 
 
+def _native_op(tf, rebuild: bool) -> str:
+    """Which path the shared-memory transport takes here, and why."""
+    from tf_distrib.transport import native_build, native_sum
+
+    if not native_sum.enabled():
+        return (f"native all-reduce op: off ({contract.ENV_NATIVE_SUM}=0); the shared-memory "
+                "transport takes its Python path")
+    try:
+        path = native_build.library_path(
+            [*tf.sysconfig.get_compile_flags(), *tf.sysconfig.get_link_flags()],
+            tf.__version__, rebuild=rebuild)
+        tf.load_op_library(path)
+    except (OSError, tf.errors.OpError) as e:
+        return (f"native all-reduce op: unavailable ({e}); the shared-memory transport "
+                "takes its Python path")
+    return f"native all-reduce op: {path}; the shared-memory transport runs it"
+
+
 def main(argv: list[str] | None = None) -> int:
     """`tf-distrib doctor`: print the report; exit status 1 when there are problems."""
     parser = argparse.ArgumentParser(prog="tf-distrib doctor", description=__doc__)
@@ -123,8 +145,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="skip importing TensorFlow to list devices")
     parser.add_argument("--no-probe", action="store_true",
                         help="do not try to connect to the other tasks' ports")
+    parser.add_argument("--rebuild", action="store_true",
+                        help="build the native all-reduce op again, forgetting a failed build")
     options = parser.parse_args(argv)
-    lines, problems = check(devices=not options.no_devices, probe_peers=not options.no_probe)
+    lines, problems = check(devices=not options.no_devices, probe_peers=not options.no_probe,
+                            rebuild=options.rebuild)
     print("\n".join(lines))
     if problems:
         print("\nproblems:\n" + "\n".join(f"  - {p}" for p in problems))

@@ -1,22 +1,14 @@
 """Cost of a backup: tf_distrib's BackupAndRestore (asynchronous and not) next to Keras 3's.
 
-Two measurements, each in the same run as the `fit` without backups it is compared to:
-
 - Small state (MLP 784-512-512-10 with Adam, 8 MB): each callback backs up after every
-  step (save_freq=1); the extra time per step is the cost of one save.
-- Large state (MLP 1024-6144-6144-10 with Adam, ~530 MB of weights and slots): `fit`
-  for 80 steps with a backup every 20 (steps 20, 40 and 60: with the default
-  delete_checkpoint, none after the last step), in 7 rounds of (sync, none, async),
-  each compared to the run without backups of its round (the median over rounds
-  kept), in a process of its own: once with TensorFlow's threads on every core, once
-  with one core left free (as a GPU job leaves host cores). "Blocked" is the time the
-  training thread spends in the callback per save (for the asynchronous save: copying
-  the state into host memory kept from one save to the next, and waiting for the
-  previous save if it still runs); "fit overhead" is the whole cost against `fit`
-  without backups, which for the asynchronous save includes taking that memory (mapped
-  by the process's first asynchronous `fit`, the first round's, and lent by each `fit`
-  to the next) and the background work (checksum, writes) that shares the cores and
-  the memory bus with training.
+  step; the extra time per step is the cost of one save.
+- Large state (MLP 1024-6144-6144-10 with Adam, ~530 MB): 80 steps with a backup every
+  20, in 7 rounds of (sync, none, async), each against its round's run without backups
+  (median over rounds), with TensorFlow's threads on every core and with one core free.
+  "Blocked" is the training thread's time in the callback per save; "fit overhead" the
+  whole cost against `fit` without backups, background work included.
+
+docs/performance.md has the current table and how to reproduce it.
 """
 
 from __future__ import annotations
@@ -59,7 +51,7 @@ def _data(steps, batch, features):
 
     x = np.random.default_rng(0).random((steps * batch, features), dtype=np.float32)
     y = np.random.default_rng(1).integers(0, 10, len(x)).astype("int32")
-    from tf_distrib._input_stalls import without_autotune
+    from tf_distrib.data._input_stalls import without_autotune
 
     # Without tf.data's autotuning: in TF 2.21 the iterator each `fit` drops blocks until
     # the autotuner's next wake-up, 10 ms x (2^k - 1) after the start (20.47 s measured).

@@ -1,25 +1,13 @@
 """The transport's all-reduce across simulated hosts on shaped links, and a cost model.
 
-2, 3 and 4 simulated hosts (`tf_distrib.simulated_hosts`: network namespaces joined
-through a bridge, each host's link shaped with tc tbf) at 1 and 10 Gbit/s; 1 worker per
-host, and 2 hosts x 2 workers with the flat ring and the hierarchical all-reduce; the
-benchmark MLP's gradient (784-1024-1024-10: 1.86M floats, 7.4 MB of float32, and its
-bfloat16 half). Each worker all-reduces it `REPEATS` times after a warm-up, and takes
-the median over repeats of the slowest worker; every row is measured so in each of
-`PASSES` passes over all rows, and its figure is the median over passes. "link use" is
-the bytes each host sends over its link per all-reduce (a flat ring of N workers:
-2(N-1)/N of the buffer on the one ring edge that leaves the host; hierarchical over H
-hosts: 2(H-1)/H of it, spread over the host's rings) divided by the time and the link
-rate: 100% is a link kept busy.
-With 4 workers on this 2-core machine, they share the cores. The cost model
-(`calibrate`, `predict`) is fitted on the 2-host rows and printed against the others.
-Then `fit` on 2 hosts x 1 worker (TensorFlow's collective, tf_distrib, tf_distrib with
-bf16) against one worker on one core, and how much of the all-reduce hid behind the
-backward pass ("hidden": (one worker's step + the all-reduce alone - the step) / the
-all-reduce alone); and PyTorch DDP (gloo) on the same layout and model against one
-PyTorch process, when torch is installed. Each of `PASSES` passes runs all of these
-back to back, and a scaling is the median over passes of a rate over its pass's one
-worker (one process of the same framework).
+2, 3 and 4 simulated hosts (`tf_distrib.testing.SimulatedHosts`) at 1 and 10 Gbit/s
+all-reduce the benchmark MLP's gradient (7.4 MB of float32, and its bfloat16 half); each
+row is the median over `PASSES` passes of the slowest worker's median over `REPEATS`.
+"link use" is the bytes a host sends per all-reduce over the time and the link rate.
+The cost model (`calibrate`, `predict`) is fitted on the 2-host rows and printed against
+the others. Then `fit` on 2 hosts x 1 worker (TensorFlow's collective, tf_distrib,
+tf_distrib with bf16, PyTorch DDP when installed) against one worker of the same
+framework, and how much of the all-reduce hid behind backward ("hidden").
 Needs root (`SimulatedHosts`); skipped, naming what is missing, without it.
 """
 
@@ -264,7 +252,7 @@ def project(model: dict) -> list[dict]:
 
 
 def run(options) -> dict:
-    from tf_distrib import simulated_hosts
+    from tf_distrib.testing import simulated_hosts
 
     why = simulated_hosts.unavailable()
     if why:
@@ -330,8 +318,8 @@ def _fit_rows(rows: list[dict]) -> list[dict]:
     compared to back to back; a setting's scaling is the median over passes of its rate
     over its own pass's one-worker rate.
     """
-    from tf_distrib import simulated_hosts
     from tf_distrib.bench import pytorch_ddp, scaling
+    from tf_distrib.testing import simulated_hosts
 
     print(f"fit, MLP 784-1024-1024-10, {scaling.PER_WORKER_BATCH} examples per worker per "
           "step, 2 hosts x 1 worker (one core each) against 1 worker on one core; medians "

@@ -1,49 +1,17 @@
 """Scaling: 2 MWMS workers pinned to one core each against 1 worker on one core.
 
-Each worker is pinned to its own core (`os.sched_setaffinity`, as `taskset -c i` would)
-with one intra-op thread, and trains one of two models (`MODELS`): the MLP
-784-1024-1024-10 on 128 examples per worker per step, and a small convolutional network on
-32x32x3 images. The data reaches `fit` in two ways: through
-`distribute_dataset(repeat=True)` (one iterator for the whole run) and as a plain
-`tf.data.Dataset`, batched and finite, the way Keras' and TensorFlow's multi-worker
-tutorials pass it. The ratio of global examples/sec (2 workers / 1 worker) is the scaling;
-2.0 is perfect, Horovod's headline is 90% (1.8). The one worker it is measured against
-trains with TensorFlow's defaults (the default strategy); the plain dataset's 2-worker row
-is also read against `make_strategy()`'s one worker on one CPU (`ALSO_AGAINST`), which
-does not stop at each epoch's end as the default strategy does. Two workers that train
-alone, without communicating, give the ceiling for these cores, with and without
-accumulation (whose buffers take more of the cache the cores share). The gradient
-all-reduce goes through TensorFlow's collective (gRPC) or tf_distrib's transport (shared
-memory, the default on one host, or TCP); with `gradient_accumulation_steps=4` it runs
-once per 4 steps. PyTorch DDP (gloo) on the same layout and architecture, when torch is
-installed.
-
-Each row also prints what a second worker adds to a step: the CPU seconds per step of a
-worker (`getrusage`, all its threads, over the measured epoch) minus those of the one
-worker it is compared to, with the lowest and highest of its rounds. Below the rows, the
-floor of that overhead on this machine's memory (`all_reduce_floor`): the copy and the
-sum that each of 2 workers cannot avoid in a shared-memory all-reduce of the model's
-gradients, timed in one process on one core.
-
-Rows whose gradients go through tf_distrib's transport also print the milliseconds per
-step each worker spent inside its collectives (the gradients' and the logged loss's
-copies and sums, and waiting for the other worker: `Throughput`'s `busy_time` subtracted
-from the step); what exceeds the floor is mostly waiting for the slower core.
-
-On the MLP, tf_distrib's rows (K=1 and K=4) and their ceilings are also measured in turns
-(`in_turns`): one worker alone and the two workers train an epoch each in alternation,
-each 2-worker epoch against the one-worker epochs just before and after it, seconds
-apart. In turns only, two tf_distrib workers that meet at every step without exchanging
-gradients (accumulation that never updates, `NEVER`) measure what synchronising alone
-costs on these cores: the two cores of this VM run at speeds that differ by up to 2x for
-seconds at a time, and a synchronous pair moves at the slower one's.
-
-Every setting runs once per round, in 3 rounds, and the scaling is the median over
-rounds of a setting's rate over the one-worker rate of its own round (the overhead is
-paired the same way): the development VM switches between two speeds (25% apart) every
-few seconds to minutes, and comparing best runs from different moments put the
-one-worker baseline and the two-worker runs in different phases (tf_distrib's scaling
-came out 1.15x, 1.37x and 1.61x on three days).
+Each worker is pinned to its own core with one intra-op thread and trains one of
+`MODELS` (the MLP 784-1024-1024-10, 128 examples per worker per step; a small CNN on
+32x32x3 images), its data through `distribute_dataset` or as a plain batched dataset.
+The ratio of global examples/s (2 workers / 1 worker) is the scaling (2.0 is perfect).
+Rows: TensorFlow's collective, tf_distrib's transport (shm, tcp), K=4 accumulation,
+two workers that never communicate (the ceiling), PyTorch DDP (gloo) when installed.
+Each row also prints the CPU a second worker adds per step and the time inside the
+collectives; `all_reduce_floor` is the copy and sum no shared-memory all-reduce avoids.
+`in_turns` alternates one worker and the pair an epoch at a time, seconds apart.
+Every setting runs once per round, in 3 rounds; a scaling is the median over rounds of
+a rate over its own round's one worker (this machine's speed drifts between phases).
+docs/performance.md explains the method and holds the current table.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_distrib import _compat, cluster, data, phases, watchdog
+from tf_distrib import _compat, cluster, data
 from tf_distrib._checks import check_int, is_int
 from tf_distrib.callbacks import shared_directory
 from tf_distrib.callbacks.background_save import BackgroundSave
@@ -17,6 +17,7 @@ from tf_distrib.callbacks.backup_store import BackupStore
 from tf_distrib.callbacks.host_snapshot import HostSnapshot
 from tf_distrib.callbacks.preemption import PreemptionWatcher
 from tf_distrib.contract import PREEMPTED_EXIT_CODE
+from tf_distrib.health import phases, watchdog
 
 
 class BackupAndRestore(keras.callbacks.Callback):
@@ -69,7 +70,7 @@ class BackupAndRestore(keras.callbacks.Callback):
       left behind is deleted, the previous backup stays the newest, and training goes
       on. After `max_failed_saves` failed saves in a row, `fit` raises `BackupError`.
       A backup directory that disappears while training is made again, with a warning.
-    - **Hang watchdog**: the chief's write pauses `tf_distrib.watchdog`; the
+    - **Hang watchdog**: the chief's write pauses `tf_distrib.health.watchdog`; the
       collective reads of a save stay watched.
 
     Args:
@@ -85,8 +86,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         save_before_preemption: Save and exit on SIGTERM. Defaults to True.
         verbose: Print a line when training resumes, is preempted, or waits for a
             backup still being written. Defaults to 1.
-        async_save: Write backups on a background thread. Defaults to True (measured:
-            `make bench` -> backup).
+        async_save: Write backups on a background thread (its cost:
+            docs/performance.md). Defaults to True.
         save_timeout: Seconds a save may take before it counts as failed (storage
             that stalls); the write goes on in the background. Defaults to 300.
         max_failed_saves: Failed saves in a row after which `fit` raises

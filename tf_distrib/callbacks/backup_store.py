@@ -1,28 +1,16 @@
 """Atomic, verified backups of named arrays, through tf.io.gfile (local or cloud paths).
 
-A backup is a directory `backup-<global step>/` holding `state.bin` (the arrays' raw
-bytes, back to back, those of 1 MiB or more from a multiple of 4096 bytes) and
-`manifest.json` (metadata, each array's name, dtype, shape and offset, and the state
-file's size and CRC-32). The manifest is written last, under a temporary name and
-renamed into place (a file rename, which every tf.io.gfile file system has: object
-stores like gs:// cannot rename directories). So a backup is committed the moment its
-manifest appears; one without a manifest (a writer killed in the middle), or whose
-checksum does not match, is skipped with a warning.
+A backup is a directory `backup-<global step>/` holding `state.bin` (the arrays' bytes
+back to back, large ones 4096-aligned) and `manifest.json` (each array's name, dtype,
+shape and offset; the state file's size and CRC-32), written last under a temporary name
+and renamed into place: a backup is committed the moment its manifest appears. One
+without a manifest, or whose checksum does not match, is skipped with a warning.
 
-On a local file system a commit is also durable, in the order databases use, so that a
-power loss or a host crash at any moment leaves the previous backup or the new one,
-never a manifest naming data the disk does not hold: the state file is written and
-fsync'ed, then the manifest (fsync'ed under its temporary name), renamed into place,
-then the backup's directory and the backup directory itself are fsync'ed (the two
-directory entries), and only then are older backups taken out of the listing (renamed
-to a hidden `.retired-` name, fsync'ed, and deleted). A large state file is written past
-the page cache (see `DirectFile`). Object stores (gs://, s3://) make an object durable
-when its upload returns and have no fsync: there the manifest's upload is the commit.
-
-The checksum is a CRC-32, as in TensorFlow's own checkpoints and TFRecords: it is there
-to catch truncated or damaged files, not tampering, and runs at 7 GB/s on the
-development VM against sha256's 1.8 GB/s (format 1 backups, with a sha256, are still
-read).
+On a local file system a commit is durable too: the state file and the manifest are
+fsync'ed before the rename, the directories after it, and only then are older backups
+retired (renamed hidden, fsync'ed, deleted), so a power loss leaves the previous backup
+or the new one. On object stores (gs://, s3://) the manifest's upload is the commit.
+The CRC-32 catches damaged files, not tampering (TensorFlow's own checkpoints use it).
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """`tf-distrib chaos`: many trials of a 2-worker job under faults, each checked bitwise.
 
-Each trial runs a small job (`tf_distrib.chaos.job`) under `tf-distrib launch` with one
-or two faults drawn from `FAULT_KINDS` (`tf_distrib.chaos.faults`): SIGKILL, SIGSTOP,
-SIGTERM (preemption), a fault during start-up, a kill during a background write of a
-backup, a kill inside a collective, and a full disk at one save. A trial passes when
-the job ends with final weights bitwise equal to those of a fault-free run, or, where
-no recovery is possible, fails with a named error and its newest backup still
-restorable. `make chaos` runs 100 trials; the tests run a short fixed set.
-
+Each trial runs a small job under `tf-distrib launch` with faults drawn from
+`FAULT_KINDS` (SIGKILL, SIGSTOP, SIGTERM, faults in start-up, in a background write,
+inside a collective, a full disk). A trial passes when the final weights are bitwise
+those of a fault-free run, or, where no recovery is possible, the job fails with a named
+error and its newest backup still restores.
 Example:
 
 ```python

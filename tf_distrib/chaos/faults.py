@@ -21,7 +21,7 @@ FAULT_KINDS = ("sigkill", "sigstop", "sigterm", "startup", "kill_in_write",
                "kill_in_collective", "full_disk")
 # Faults that end the attempt (the launcher restarts the group); a full disk does not.
 RESTARTING = frozenset(FAULT_KINDS) - {"full_disk"}
-# Where a worker may be stopped or killed before its first step (`tf_distrib.phases`).
+# Where a worker may be stopped or killed before its first step (`tf_distrib.health.phases`).
 STARTUP_PHASES = ("starting", "cluster", "transport", "building")
 SAVE_EVERY = 10
 
@@ -101,12 +101,12 @@ def _signal_self(sig: int) -> None:
 
 
 def signal_on_entering(phase: str, sig: int) -> None:
-    """Sends this process `sig` as it enters start-up `phase` (`tf_distrib.phases`).
+    """Sends this process `sig` as it enters start-up `phase` (`tf_distrib.health.phases`).
 
     At once for "starting"; for "cluster", half a second in, while TensorFlow's
     rendezvous waits for the other workers.
     """
-    from tf_distrib import phases
+    from tf_distrib.health import phases
 
     if phase == phases.STARTING:
         _signal_self(sig)

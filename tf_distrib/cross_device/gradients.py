@@ -3,7 +3,7 @@
 MWMS asserts that its cross-device op is TF's CollectiveAllReduce, and swapping it
 silently stops cross-worker synchronisation. Keras 3 sums gradients in one place,
 `TFOptimizer._all_reduce_sum_gradients`, through `replica_context.all_reduce`;
-`tf_distrib.gradient_path` routes that call through the `GradientAllReduce` of a
+`tf_distrib.strategy.optimizer_hooks` routes that call through the `GradientAllReduce` of a
 strategy from `make_strategy()`. Metrics and logged losses are never compressed: they
 go through the strategy's own `reduce`.
 

@@ -1,11 +1,7 @@
 """`tf.distribute.CrossDeviceOps` for MirroredStrategy: compressed, bucketed, ring.
 
-They compose: `CompressedAllReduce(inner=BucketedAllReduce(inner=RingAllReduce()))`
-casts gradients to bfloat16, packs them into buckets and reduces each bucket with a
-ring. Each op reduces the values whose destinations are their own replicas' devices
-(what `model.fit`'s gradient all-reduce passes) and hands everything else (other
-destinations, `gather`, what it does not handle) to its `inner` op, by default
-NCCL on GPUs and `tf.distribute.ReductionToOneDevice` on CPUs.
+They compose, each reducing what `model.fit`'s gradient all-reduce passes and handing
+everything else to its `inner` op (NCCL on GPUs, `ReductionToOneDevice` on CPUs).
 
 Example:
 

@@ -1,32 +1,18 @@
 """Run a tf_distrib training function on Ray Train's `TensorflowTrainer`.
 
-Ray starts one actor per worker, gives each a worker-only TF_CONFIG (worker 0 is the
-chief) and, with `FailureConfig(max_failures=N)`, restarts the whole worker group after
-a worker dies. `BackupAndRestore` on the run's storage (`backup_dir()`) lets the
-restarted group resume where the last one stopped, mid-epoch included.
-
+Ray gives each worker actor a TF_CONFIG and, with `max_failures=N`, restarts the whole
+group after a worker dies; `BackupAndRestore` on the run's storage (`backup_dir()`)
+resumes where it stopped. Needs `pip install "tf_distrib[ray]"`.
 Example:
 
 ```python
-import tf_distrib as td
-from tf_distrib.integrations import ray as td_ray
-
 def train(config):
-    strategy = td.make_strategy()          # MultiWorkerMirroredStrategy from Ray's TF_CONFIG
-    with strategy.scope():
-        model = build_model()
-        model.compile(...)
-    dataset = td.data.distribute_dataset(strategy, make_dataset(), 256)
-    model.fit(dataset, epochs=config["epochs"],
-              callbacks=[td.callbacks.BackupAndRestore(td_ray.backup_dir())])
+    strategy = td.make_strategy()          # MWMS from Ray's TF_CONFIG
+    ...
+    model.fit(dataset, callbacks=[td.callbacks.BackupAndRestore(td_ray.backup_dir())])
 
-trainer = td_ray.make_trainer(train, num_workers=2, max_failures=1,
-                              storage_path="gs://my-bucket/runs", name="mnist",
-                              config={"epochs": 3})
-trainer.fit()
+td_ray.make_trainer(train, num_workers=2, max_failures=1, storage_path="/runs").fit()
 ```
-
-Needs `pip install "tf_distrib[ray]"`.
 """
 
 from __future__ import annotations

@@ -12,9 +12,10 @@ from tf_distrib.contract import (
     ENV_WORKER_INDEX,
     PREEMPTED_EXIT_CODE,
 )
+from tf_distrib.launch.config import LaunchConfig
 from tf_distrib.launch.errors import LaunchError
 from tf_distrib.launch.launcher import Attempt, LaunchResult, WorkerResult, launch
 
-__all__ = ["launch", "LaunchResult", "Attempt", "WorkerResult", "LaunchError",
+__all__ = ["launch", "LaunchConfig", "LaunchResult", "Attempt", "WorkerResult", "LaunchError",
            "ENV_WORKER_INDEX", "ENV_NUM_WORKERS", "ENV_ATTEMPT", "ENV_MAX_RESTARTS",
            "ENV_STARTUP_TIMEOUT", "PREEMPTED_EXIT_CODE"]

@@ -7,8 +7,9 @@ import dataclasses
 import json
 import sys
 
+from tf_distrib.launch.config import FIELDS, LaunchConfig, parse_worker_range
 from tf_distrib.launch.errors import LaunchError
-from tf_distrib.launch.job import DEFAULTS, JobConfig, load_job_file, parse_worker_range
+from tf_distrib.launch.job import Job, load_job_file
 from tf_distrib.launch.launcher import launch
 
 _EPILOG = """\
@@ -32,91 +33,63 @@ launcher is interrupted.
 """
 
 
+# Flags that are not `--field-name` of a LaunchConfig field.
+_SHORT_FLAGS = {"num_workers": ["-n", "--num-workers"]}
+
+
 def _parser() -> argparse.ArgumentParser:
+    """The launcher's flags: one per `LaunchConfig` field shown on the command line."""
     p = argparse.ArgumentParser(
         prog="tf-distrib launch", epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run a training script on N local workers with TF_CONFIG; restart "
                     "the group when a worker fails.")
-    p.add_argument("-n", "--num-workers",
-                   help=f"workers on this host, N or MIN:MAX (elastic) "
-                        f"(default {DEFAULTS.num_workers})")
-    p.add_argument("--max-restarts", type=int,
-                   help=f"restarts after failures (default {DEFAULTS.max_restarts})")
-    p.add_argument("--startup-timeout", type=float,
-                   help="seconds for each worker to reach its first training step (default "
-                        f"{DEFAULTS.startup_timeout:g}; 0 disables the check)")
-    p.add_argument("--hang-timeout", type=float,
-                   help="seconds without a finished training step before the workers' "
-                        "watchdogs stop them (default: the strategy's, 600)")
-    p.add_argument("--slot-failures", type=int,
-                   help="failed attempts in a row that drop a worker slot, with -n MIN:MAX "
-                        f"(default {DEFAULTS.slot_failures})")
-    p.add_argument("--rejoin-interval", type=float,
-                   help="seconds before a dropped slot or missing host is tried again "
-                        f"(default {DEFAULTS.rejoin_interval:g})")
-    p.add_argument("--grace-period", type=float,
-                   help="seconds between SIGTERM and SIGKILL when stopping "
-                        f"(default {DEFAULTS.grace_period:g})")
-    p.add_argument("--timeout", type=float, help="limit for the whole launch in seconds")
+    defaults = LaunchConfig()
+    for name, field in FIELDS.items():
+        if not field.metadata["cli"]:
+            continue
+        flags = _SHORT_FLAGS.get(name, [f"--{name.replace('_', '-')}"])
+        help_text = field.metadata["help"]
+        default = getattr(defaults, name)
+        if default not in (None, False) and "default" not in help_text:
+            help_text += f" (default {default:g})" if isinstance(default, float) \
+                else f" (default {default})"
+        kind = field.type.split(" ")[0]  # the annotation's text: "float | None" -> "float"
+        if kind == "bool":
+            p.add_argument(*flags, dest=name, action="store_true", default=None, help=help_text)
+        else:
+            # -n takes "N" or "MIN:MAX"; --hosts a comma-separated list.
+            convert = {"int": int, "float": float}.get(kind, str) \
+                if name != "num_workers" else str
+            p.add_argument(*flags, dest=name, type=convert, help=help_text)
     p.add_argument("--summary-file", help="write a JSON summary of the attempts here")
-    p.add_argument("--log-dir", help="directory for every worker's complete output, one file "
-                                     "per worker and attempt (default: a new temporary one)")
-    p.add_argument("--verbose", action="store_true", default=None,
-                   help="show every line of every worker, TensorFlow's start-up notices and "
-                        "repeated lines included (also TF_DISTRIB_VERBOSE=1)")
-    p.add_argument("--preload", action="store_true", default=None,
-                   help="fork workers (and restarts) from a process that has already "
-                        "imported TensorFlow and Keras: seconds faster per worker; not for "
-                        "scripts that set environment variables before importing TensorFlow "
-                        "(also TF_DISTRIB_PRELOAD=1)")
     p.add_argument("--config", help="job file (YAML or JSON); flags override it")
-    p.add_argument("--hosts", help="static multi-host launch: comma-separated host[:port] "
-                                   "list, identical on every host")
-    p.add_argument("--host-index", type=int, help="this host's position in --hosts")
-    p.add_argument("--base-port", type=int,
-                   help=f"first port of each host (default {DEFAULTS.base_port})")
-    p.add_argument("--min-hosts", type=int,
-                   help="with --hosts: the fewest hosts an attempt may start with (elastic; "
-                        "default: all)")
-    p.add_argument("--rendezvous-timeout", type=float,
-                   help="seconds an elastic multi-host attempt waits for missing hosts "
-                        f"(default {DEFAULTS.rendezvous_timeout:g})")
     p.add_argument("-m", dest="module", help="run a module instead of a script")
     p.add_argument("script", nargs="?", help="training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     return p
 
 
-def _job_from_args(options) -> JobConfig:
-    job = load_job_file(options.config) if options.config else JobConfig()
+def _job_from_args(options) -> Job:
+    """The job file's `Job` (or the defaults) with the flags given on the command line."""
+    job = load_job_file(options.config) if options.config else Job()
     if options.module and options.script:
         # With -m, what argparse took as the script is the module's first argument.
         options.args.insert(0, options.script)
         options.script = None
-    overrides = {
-        "max_restarts": options.max_restarts, "hang_timeout": options.hang_timeout,
-        "grace_period": options.grace_period, "timeout": options.timeout,
-        "summary_file": options.summary_file, "host_index": options.host_index,
-        "base_port": options.base_port, "script": options.script, "module": options.module,
-        "min_hosts": options.min_hosts, "rendezvous_timeout": options.rendezvous_timeout,
-        "slot_failures": options.slot_failures, "rejoin_interval": options.rejoin_interval,
-        "log_dir": options.log_dir, "verbose": options.verbose,
-        "preload": options.preload,
-    }
-    if options.num_workers is not None:
+    overrides = {name: getattr(options, name) for name, field in FIELDS.items()
+                 if field.metadata["cli"] and getattr(options, name) is not None}
+    if "num_workers" in overrides:
         overrides["min_workers"], overrides["num_workers"] = parse_worker_range(
-            options.num_workers)
-    job = dataclasses.replace(job, **{k: v for k, v in overrides.items()
-                                      if v is not None or k == "min_workers"})
+            overrides["num_workers"])
+    if "startup_timeout" in overrides:
+        overrides["startup_timeout"] = overrides["startup_timeout"] or None  # 0: no check
+    if "hosts" in overrides:
+        overrides["hosts"] = [h.strip() for h in overrides["hosts"].split(",")]
+    job.config = dataclasses.replace(job.config, **overrides)
     if options.module or options.script:
-        job.script = options.script
-        job.module = options.module
-        job.args = list(options.args)
-    if options.startup_timeout is not None:
-        job.startup_timeout = options.startup_timeout or None
-    if options.hosts:
-        job.hosts = [h.strip() for h in options.hosts.split(",")]
+        job.script, job.module, job.args = options.script, options.module, list(options.args)
+    job.summary_file = options.summary_file or job.summary_file
     return job
 
 
@@ -125,15 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     options = _parser().parse_args(argv)
     try:
         job = _job_from_args(options)
-        result = launch(job.target, job.num_workers, args=job.args,
-                        min_workers=job.min_workers, max_restarts=job.max_restarts,
-                        startup_timeout=job.startup_timeout, hang_timeout=job.hang_timeout,
-                        grace_period=job.grace_period, timeout=job.timeout, env=job.env,
-                        hosts=job.hosts, host_index=job.host_index, base_port=job.base_port,
-                        min_hosts=job.min_hosts, rendezvous_timeout=job.rendezvous_timeout,
-                        slot_failures=job.slot_failures,
-                        rejoin_interval=job.rejoin_interval, log_dir=job.log_dir,
-                        verbose=job.verbose, preload=job.preload)
+        result = launch(job.target, args=job.args, config=job.config)
     except LaunchError as e:
         print(f"tf-distrib launch: error: {e}", file=sys.stderr)
         return 2

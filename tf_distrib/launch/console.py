@@ -1,20 +1,11 @@
 """What the launcher shows of its workers' output: every line that says something, once.
 
-Every worker's complete output goes to its log file; the console is condensed:
-
-- TensorFlow's known start-up notices (`NOISE`: absl, CUDA probing on a host without a
-  GPU, oneDNN, CPU instructions) are hidden (the launcher says once where the logs are);
-- Keras progress lines (`PROGRESS`) of every worker but the first are hidden: with
-  synchronous training they repeat the first worker's;
-- the same line from several workers within `WINDOW` seconds is shown once, as
-  "[workers 0-1] line", the way Ray collapses its workers' output;
-- a traceback that ends in a peer's loss (`CONSEQUENCES`: the worker failed because
-  another one did) becomes one line naming it; the worker that failed first keeps its
-  full traceback, and the launcher ends a failed attempt with a root-cause block;
-- every other line, unknown ones included, passes as "[worker i] line".
-
-`verbose=True` (`tf-distrib launch --verbose`, TF_DISTRIB_VERBOSE=1) shows every line of
-every worker as it comes, prefixed, as before.
+Every worker's complete output goes to its log file; the console hides TensorFlow's
+known start-up notices (`NOISE`) and every worker's Keras progress lines but the
+first's (`PROGRESS`), shows a line that several workers print within `WINDOW` seconds
+once ("[workers 0-1] line"), turns a traceback that ends in a peer's loss
+(`CONSEQUENCES`) into one line naming it, and passes every other line as
+"[worker i] line". `verbose=True` (`--verbose`, TF_DISTRIB_VERBOSE=1) shows every line.
 """
 
 from __future__ import annotations

@@ -1,29 +1,13 @@
 """Workers forked from a process that has already imported TensorFlow and Keras.
 
-Importing TensorFlow and Keras costs a fresh Python process seconds of CPU (4.7 s on a
-2-core CI machine) before it runs a line of training code, and a launch pays it once
-per worker and per restart. A fork server pays it once: `launch(..., preload=True)`
-(`tf-distrib launch --preload`, or TF_DISTRIB_PRELOAD=1) starts one server process per
-distinct environment, which imports both and then forks one child per worker. On that
-machine a 2-worker MultiWorkerMirroredStrategy job's launch, and its restart, take 2.0 s
-instead of 9.4 s (`make bench` -> `startup`).
-
-A forked worker is a real process of its own: its own pid (the one the launcher
-signals, checks in /proc and reports), its own session and process group, its own
-stdout/stderr pipes, its own environment (TF_CONFIG and the TF_DISTRIB_ variables of
-`tf_distrib.contract`) and working directory; its exit status reaches the launcher
-through the server, which is its parent. What it does not get is a fresh interpreter:
-environment variables that TensorFlow or Python read at start-up or import are those
-the server started with. So the server is keyed by the whole environment except
-TF_CONFIG, the TF_DISTRIB_ variables and pytest's PYTEST_CURRENT_TEST (a launch with
-other variables gets another server), and a target that changes such variables itself
-before importing TensorFlow (`os.environ["TF_ENABLE_ONEDNN_OPTS"] = "0"` at the top of
-a script) must not be preloaded: that is why it is opt-in. Linux only (a fork after
-threads have started is safe only where the libraries register fork handlers, as
-glibc's, OpenBLAS' and jemalloc's do).
-
-A server lives until `close_all()` or the launching process exits (it exits when its
-control socket closes).
+A fresh Python process spends seconds importing TensorFlow before it runs a line of
+training code, per worker and per restart. With `preload`, one server process per
+distinct environment imports both once and forks a child per worker: its own pid,
+session, pipes, environment and working directory, its exit status reported through
+the server. What it does not get is a fresh interpreter, so the server is keyed by the
+whole environment except TF_CONFIG and the TF_DISTRIB_ variables, and a target that
+sets TensorFlow's variables itself before importing it must not be preloaded. Linux
+only. A server lives until `close_all()` or the launching process exits.
 """
 
 from __future__ import annotations

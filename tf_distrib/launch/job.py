@@ -19,58 +19,81 @@ import dataclasses
 import json
 import os
 
+from tf_distrib.launch.config import FIELDS, LaunchConfig, parse_worker_range
 from tf_distrib.launch.errors import LaunchError
 
 
 @dataclasses.dataclass
-class JobConfig:
-    """Everything `tf-distrib launch` needs; the command line overrides a job file.
+class Job:
+    """What a job file or the command line asks for: a target, its arguments, a config.
 
-    Its field defaults are the launcher's defaults, for the command line, job files,
-    `launch()` and `tf_distrib.testing` alike (`DEFAULTS`).
+    Attributes:
+        script: The training script's path, or None with `module`.
+        module: The module to run as with `python -m`, or None with `script`.
+        args: The script's or module's arguments.
+        summary_file: Where `tf-distrib launch` writes its JSON summary, or None.
+        config: The `LaunchConfig` of every other option.
     """
 
     script: str | None = None
     module: str | None = None
     args: list[str] = dataclasses.field(default_factory=list)
-    num_workers: int = 1
-    min_workers: int | None = None
-    max_restarts: int = 0
-    startup_timeout: float | None = 300.0
-    hang_timeout: float | None = None
-    grace_period: float = 5.0
-    timeout: float | None = None
-    env: dict[str, str] = dataclasses.field(default_factory=dict)
-    hosts: list[str] | None = None
-    host_index: int = 0
-    base_port: int = 29400
-    min_hosts: int | None = None
-    rendezvous_timeout: float = 60.0
-    slot_failures: int = 2
-    rejoin_interval: float = 600.0
     summary_file: str | None = None
-    log_dir: str | None = None
-    verbose: bool = False
-    preload: bool | None = None
+    config: LaunchConfig = dataclasses.field(default_factory=LaunchConfig)
 
     @property
     def target(self) -> str | list[str]:
+        """What `launch()` runs: the script, or ["-m", module]."""
         if bool(self.script) == bool(self.module):
             raise LaunchError("Give exactly one of a script or a module (-m) to launch.")
         return ["-m", self.module] if self.module else self.script
 
 
-DEFAULTS = JobConfig()
-_FIELDS = {f.name for f in dataclasses.fields(JobConfig)}
+_JOB_KEYS = ("script", "module", "args", "summary_file")
 
 
-def load_job_file(path: str) -> JobConfig:
-    """Reads a YAML (.yaml/.yml) or JSON job file into a `JobConfig`.
+def load_job_file(path: str) -> Job:
+    """Reads a YAML (.yaml/.yml) or JSON job file into a `Job`.
+
+    Its keys are `Job`'s (script, module, args, summary_file) and `LaunchConfig`'s
+    fields; `num_workers` may be "MIN:MAX".
 
     Raises:
         LaunchError: when the file cannot be read or parsed, has unknown keys or
             values of the wrong type.
     """
+    data = _read(path)
+    unknown = sorted(set(data) - set(_JOB_KEYS) - set(FIELDS))
+    if unknown:
+        raise LaunchError(f"Job file {path!r} has unknown key(s) {unknown}; known keys: "
+                          f"{', '.join(sorted([*_JOB_KEYS, *FIELDS]))}.")
+    job = {key: data.pop(key) for key in _JOB_KEYS if key in data}
+    for key, value in job.items():
+        wanted = list if key == "args" else str
+        if value is not None and not isinstance(value, wanted):
+            raise LaunchError(f"Job file {path!r}: '{key}' has the wrong type "
+                              f"({type(value).__name__}: {value!r}).")
+    if isinstance(data.get("num_workers"), str):
+        try:
+            data["min_workers"], data["num_workers"] = parse_worker_range(data["num_workers"])
+        except LaunchError as e:
+            raise LaunchError(f"Job file {path!r}: 'num_workers' has the wrong type or form: "
+                              f"{e}") from None
+    if isinstance(data.get("env"), dict):
+        data["env"] = {str(k): str(v) for k, v in data["env"].items()}
+    try:
+        config = LaunchConfig(**data)
+    except LaunchError as e:
+        raise LaunchError(f"Job file {path!r}: {e}") from None
+    script = job.get("script")
+    if script and not os.path.isabs(script):
+        script = os.path.join(os.path.dirname(os.path.abspath(path)), script)
+    return Job(script=script, module=job.get("module"),
+               args=[str(a) for a in job.get("args") or []],
+               summary_file=job.get("summary_file"), config=config)
+
+
+def _read(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -90,58 +113,4 @@ def load_job_file(path: str) -> JobConfig:
     if not isinstance(data, dict):
         raise LaunchError(f"Job file {path!r} must hold a mapping of settings, got "
                           f"{type(data).__name__}.")
-    unknown = sorted(set(data) - _FIELDS)
-    if unknown:
-        raise LaunchError(f"Job file {path!r} has unknown key(s) {unknown}; known keys: "
-                          f"{', '.join(sorted(_FIELDS))}.")
-    _check_types(data, path)
-    if isinstance(data.get("num_workers"), str):
-        try:
-            data["min_workers"], data["num_workers"] = parse_worker_range(data["num_workers"])
-        except LaunchError as e:
-            raise LaunchError(f"Job file {path!r}: 'num_workers' has the wrong type or form: "
-                              f"{e}") from None
-    config = JobConfig(**data)
-    if config.script and not os.path.isabs(config.script):
-        config.script = os.path.join(os.path.dirname(os.path.abspath(path)), config.script)
-    config.args = [str(a) for a in config.args]
-    config.env = {str(k): str(v) for k, v in config.env.items()}
-    return config
-
-
-def parse_worker_range(text: str) -> tuple[int | None, int]:
-    """"N" -> (None, N); "MIN:MAX" -> (MIN, MAX) (an elastic launch).
-
-    Raises:
-        LaunchError: anything else, or MIN > MAX, or a count below 1.
-    """
-    low, sep, high = str(text).partition(":")
-    if not (low.isdigit() and (not sep or high.isdigit())):
-        raise LaunchError(f"The number of workers must be N or MIN:MAX (e.g. 2 or 1:4), got "
-                          f"{text!r}.")
-    minimum, maximum = int(low), int(high) if sep else int(low)
-    if not sep and maximum < 1:
-        raise LaunchError(f"num_workers must be an integer >= 1, got {text}.")
-    if minimum < 1 or minimum > maximum:
-        raise LaunchError(f"The number of workers MIN:MAX needs 1 <= MIN <= MAX, got {text!r}.")
-    return (minimum if sep else None), maximum
-
-
-def _check_types(data: dict, path: str) -> None:
-    seconds = (int, float)
-    expected = {"script": str, "module": str, "args": list, "num_workers": (int, str),
-                "min_workers": int, "max_restarts": int, "startup_timeout": seconds,
-                "hang_timeout": seconds, "grace_period": seconds, "timeout": seconds,
-                "env": dict, "hosts": list, "host_index": int, "base_port": int,
-                "min_hosts": int, "rendezvous_timeout": seconds, "slot_failures": int,
-                "rejoin_interval": seconds, "summary_file": str, "log_dir": str,
-                "verbose": bool, "preload": bool}
-    for key, value in data.items():
-        if value is None and key in ("startup_timeout", "hang_timeout", "timeout", "hosts",
-                                     "script", "module", "summary_file", "min_workers",
-                                     "min_hosts", "log_dir", "preload"):
-            continue
-        if (isinstance(value, bool) != (expected[key] is bool)
-                or not isinstance(value, expected[key])):
-            raise LaunchError(f"Job file {path!r}: '{key}' has the wrong type "
-                              f"({type(value).__name__}: {value!r}).")
+    return data

@@ -15,7 +15,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tf_distrib import cluster as cluster_lib
-from tf_distrib._checks import check_int, is_int
 from tf_distrib.contract import (
     ENV_ATTEMPT,
     ENV_HANG_TIMEOUT,
@@ -32,8 +31,7 @@ from tf_distrib.contract import (
 from tf_distrib.launch import console as console_lib
 from tf_distrib.launch import forkserver, membership, reports, targets
 from tf_distrib.launch import rendezvous as rendezvous_lib
-from tf_distrib.launch.errors import LaunchError
-from tf_distrib.launch.job import DEFAULTS
+from tf_distrib.launch.config import LaunchConfig, with_overrides
 from tf_distrib.launch.liveness import Liveness
 from tf_distrib.launch.process_group import ProcessGroup
 
@@ -145,41 +143,21 @@ class LaunchResult:
         return report
 
 
-def launch(target: str | Sequence[str] | Callable, num_workers: int, *,
+def launch(target: str | Sequence[str] | Callable, num_workers: int | None = None, *,
            args: Sequence = (), kwargs: Mapping | None = None,
-           min_workers: int | None = None,
-           max_restarts: int = DEFAULTS.max_restarts,
-           startup_timeout: float | None = DEFAULTS.startup_timeout,
-           hang_timeout: float | None = DEFAULTS.hang_timeout,
-           grace_period: float = DEFAULTS.grace_period, timeout: float | None = DEFAULTS.timeout,
-           env: Mapping[str, str] | None = None, host: str = "127.0.0.1",
-           hosts: Sequence[str] | None = None, host_index: int = DEFAULTS.host_index,
-           base_port: int = DEFAULTS.base_port, min_hosts: int | None = None,
-           rendezvous_timeout: float = DEFAULTS.rendezvous_timeout,
-           slot_failures: int = DEFAULTS.slot_failures,
-           rejoin_interval: float = DEFAULTS.rejoin_interval,
-           log_dir: str | None = DEFAULTS.log_dir, verbose: bool = DEFAULTS.verbose,
-           preload: bool | None = DEFAULTS.preload, quiet: bool = False) -> LaunchResult:
+           config: LaunchConfig | None = None, **overrides) -> LaunchResult:
     """Runs `target` on `num_workers` worker processes with TF_CONFIG; restarts on failure.
 
     Each worker gets its TF_CONFIG on fresh free ports (per attempt) and the variables of
-    `tf_distrib.contract`: TF_DISTRIB_WORKER_INDEX, TF_DISTRIB_NUM_WORKERS,
-    TF_DISTRIB_ATTEMPT, TF_DISTRIB_MAX_RESTARTS, TF_DISTRIB_STARTUP_TIMEOUT,
-    TF_DISTRIB_HANG_TIMEOUT, TF_DISTRIB_SECRET (a new random secret per launch, for the
-    gradient transport's connections) and TF_DISTRIB_REPORT_DIR. Each worker's complete
+    `tf_distrib.contract` (its index, the group's size, the attempt, a new random secret
+    per launch for the gradient transport, the report directory). Each worker's complete
     output goes to `log_dir`/attempt-N/worker-I.log; the console shows it condensed,
-    line by line with a "[worker i] " prefix (`tf_distrib.launch.console`), and a
-    failed attempt ends with a root-cause block. When a worker exits non-zero, the whole
-    group is stopped (SIGTERM, then SIGKILL after `grace_period`) and started again
-    while restarts remain; the workers' flight-recorder reports name the ones that
-    stopped first (`Attempt.stopped_first`). A worker whose process stays stopped
-    (SIGSTOP, a paused container) for 5 s fails the attempt in any phase, named with
-    the phase (`tf_distrib.launch.liveness`).
-
+    prefixed "[worker i] " (`tf_distrib.launch.console`), and a failed attempt ends with
+    a root-cause block. When a worker fails, the whole group is stopped (SIGTERM, then
+    SIGKILL after `grace_period`) and started again while restarts remain; the workers'
+    flight-recorder reports name the ones that stopped first (`Attempt.stopped_first`).
     Elastic launches (`min_workers`, or `min_hosts` with `hosts`) go on with fewer
-    workers when some cannot: see `tf_distrib.launch.membership` and
-    `tf_distrib.launch.rendezvous`. `BackupAndRestore` and `distribute_dataset` resume
-    exactly across the change of size, with the same global batch.
+    workers when some cannot (`tf_distrib.launch.membership`, `.rendezvous`).
 
     TensorFlow's gRPC servers have no authentication: by default every worker binds
     to 127.0.0.1, reachable from this machine only.
@@ -188,58 +166,12 @@ def launch(target: str | Sequence[str] | Callable, num_workers: int, *,
         target: A script path, "-m pkg.module", or a Python function (pickled with
             cloudpickle, so notebook functions work; its return value comes back in
             `LaunchResult.values`).
-        num_workers: Workers per host (the most, for an elastic launch), >= 1.
+        num_workers: Workers per host. Defaults to None: `config.num_workers`.
         args: Script arguments, or the function's positional arguments. Defaults to ().
         kwargs: The function's keyword arguments. Defaults to None.
-        min_workers: The fewest workers an attempt on this host may run: a worker slot
-            that fails `slot_failures` attempts in a row is dropped while at least this
-            many remain. Defaults to None: `num_workers` (not elastic).
-        max_restarts: How many times to restart the group after a failure. Defaults to 0.
-        startup_timeout: Seconds a worker may take from its start to its first
-            training step (the phases it reports, `tf_distrib.phases`; a target that
-            does not use `make_strategy` only has to start TensorFlow's server on its
-            TF_CONFIG port) unless it exits first; the worker furthest behind counts
-            as failed, named with its phase. None disables the check (for targets that
-            never start TensorFlow's server). Defaults to 300.
-        hang_timeout: Seconds without a finished step after which workers' watchdogs
-            stop them (TF_DISTRIB_HANG_TIMEOUT). Defaults to None: the strategy's
-            default, 600.
-        grace_period: Seconds between SIGTERM and SIGKILL when stopping. Defaults to 5.
-        timeout: Seconds the whole launch may run before it is stopped and failed.
-            Defaults to None (no limit).
-        env: Extra environment variables for the workers. Defaults to None.
-        host: The address local workers bind to. Defaults to "127.0.0.1".
-        hosts: For a static multi-host launch, every host as "host" or "host:port", in
-            the same order on each host; each member host runs `num_workers` workers
-            on ports port, port + 1, ... (port defaults to `base_port`). Defaults to
-            None (single host, free ports).
-        host_index: This host's position in `hosts`. Defaults to 0.
-        base_port: First port of each host in a multi-host launch. Defaults to 29400.
-        min_hosts: With `hosts`, the fewest hosts an attempt may start with: host 0's
-            launcher runs a rendezvous on host 0's first port minus one, and hosts
-            that have not joined within `rendezvous_timeout` are left out of the
-            attempt. Defaults to None: every host, no rendezvous.
-        rendezvous_timeout: Seconds an elastic multi-host attempt waits for missing
-            hosts. Defaults to 60.
-        slot_failures: Failed attempts in a row that drop a worker slot (elastic
-            launches). Defaults to 2.
-        rejoin_interval: Seconds before a dropped slot is tried again; a smaller group
-            that runs this long is stopped as on preemption so that it can grow back.
-            Defaults to 600.
-        log_dir: Where every worker's complete output goes, one file per worker and
-            attempt. Defaults to None: a new directory under the system's temporary
-            directory, printed at the start.
-        verbose: Show every line of every worker on the console, TensorFlow's
-            start-up notices and repeated lines included. Defaults to False (or
-            TF_DISTRIB_VERBOSE=1).
-        preload: Fork every worker, on every attempt, from a process that has already
-            imported TensorFlow and Keras instead of starting a fresh interpreter
-            (`tf_distrib.launch.forkserver`): workers and restarts start seconds
-            sooner. Not for targets that set environment variables themselves before
-            they import TensorFlow (those the launch passes in `env` are fine).
-            Linux only. Defaults to None: TF_DISTRIB_PRELOAD=1 turns it on.
-        quiet: Keep workers' output only in the results and log files instead of
-            streaming it to this process's stdout/stderr. Defaults to False.
+        config: Every other option (`LaunchConfig`). Defaults to None: its defaults.
+        **overrides: `LaunchConfig` fields that replace `config`'s, e.g.
+            `max_restarts=2`.
 
     Returns:
         A `LaunchResult`.
@@ -260,42 +192,48 @@ def launch(target: str | Sequence[str] | Callable, num_workers: int, *,
     print(result.exit_code, result.restarts, result.values)
     ```
     """
-    min_workers = num_workers if min_workers is None else min_workers
-    min_hosts = (len(hosts) if hosts else 1) if min_hosts is None else min_hosts
-    _check_launch_args(num_workers, min_workers, max_restarts, startup_timeout, hang_timeout,
-                       grace_period, timeout, hosts, host_index, base_port, min_hosts,
-                       slot_failures)
-    stdout, stderr = (None, None) if quiet else (sys.stdout, sys.stderr)
-    verbose = verbose or os.environ.get(console_lib.ENV_VERBOSE) == "1"
-    preload = forkserver.enabled(preload)
+    if num_workers is not None:
+        overrides["num_workers"] = num_workers
+    if overrides.get("env") is not None:
+        overrides["env"] = dict(overrides["env"])
+    if "hosts" in overrides and overrides["hosts"] is not None:
+        overrides["hosts"] = list(overrides["hosts"])
+    config = with_overrides(config, overrides)
+    stdout, stderr = (None, None) if config.quiet else (sys.stdout, sys.stderr)
+    preload = forkserver.enabled(config.preload)
     if preload:
         forkserver.check_supported()
-    log_dir = log_dir or tempfile.mkdtemp(prefix=time.strftime("tf_distrib_logs_%Y%m%d-%H%M%S_"))
+    log_dir = config.log_dir or tempfile.mkdtemp(
+        prefix=time.strftime("tf_distrib_logs_%Y%m%d-%H%M%S_"))
     os.makedirs(log_dir, exist_ok=True)
+    config = dataclasses.replace(
+        config, log_dir=log_dir, preload=preload,
+        verbose=config.verbose or os.environ.get(console_lib.ENV_VERBOSE) == "1")
     _say(stderr, f"every worker's full output: {log_dir}"
-         + ("" if verbose else " (TensorFlow's start-up notices and repeated lines are "
-                               "condensed here; --verbose shows all)"))
+         + ("" if config.verbose else " (TensorFlow's start-up notices and repeated lines "
+                                      "are condensed here; --verbose shows all)"))
     with tempfile.TemporaryDirectory(prefix="tf_distrib_launch_") as workdir:
         reports_dir = os.path.join(workdir, "reports")
         os.makedirs(reports_dir)
-        worker_env = {ENV_REPORT_DIR: reports_dir, **dict(env or {})}
-        if hang_timeout is not None:
-            worker_env[ENV_HANG_TIMEOUT] = str(hang_timeout)
-        if ENV_SECRET not in os.environ and ENV_SECRET not in worker_env and not hosts:
-            worker_env[ENV_SECRET] = secrets.token_hex(32)
-        with _StopSignals() as stop, _Rendezvous(hosts, host_index, base_port, min_hosts,
-                                                 rendezvous_timeout) as rendezvous:
+        with _StopSignals() as stop, _Rendezvous(config) as rendezvous:
             group = _Group(
-                target=targets.resolve(target, args, kwargs, workdir), workdir=workdir,
-                reports_dir=reports_dir, num_workers=num_workers,
-                max_restarts=max_restarts, startup_timeout=startup_timeout,
-                hang_timeout=hang_timeout, grace_period=grace_period,
-                deadline=None if timeout is None else time.monotonic() + timeout,
-                env=worker_env, host=host, hosts=hosts, host_index=host_index,
-                base_port=base_port, stop=stop, stdout=stdout, stderr=stderr, log_dir=log_dir,
-                verbose=verbose, preload=preload)
-            slots = membership.Slots(num_workers, min_workers, slot_failures, rejoin_interval)
+                config=config, target=targets.resolve(target, args, kwargs, workdir),
+                workdir=workdir, reports_dir=reports_dir, env=_shared_env(config, reports_dir),
+                deadline=None if config.timeout is None else time.monotonic() + config.timeout,
+                stop=stop, stdout=stdout, stderr=stderr)
+            slots = membership.Slots(config.num_workers, config.fewest_workers,
+                                     config.slot_failures, config.rejoin_interval)
             return _attempts(group, slots, rendezvous, stderr)
+
+
+def _shared_env(config: LaunchConfig, reports_dir: str) -> dict[str, str]:
+    """The variables every worker of every attempt gets, beyond its own TF_CONFIG."""
+    env = {ENV_REPORT_DIR: reports_dir, **config.env}
+    if config.hang_timeout is not None:
+        env[ENV_HANG_TIMEOUT] = str(config.hang_timeout)
+    if ENV_SECRET not in os.environ and ENV_SECRET not in env and not config.hosts:
+        env[ENV_SECRET] = secrets.token_hex(32)
+    return env
 
 
 def _attempts(group: _Group, slots: membership.Slots, rendezvous: _Rendezvous,
@@ -334,7 +272,7 @@ def _attempts(group: _Group, slots: membership.Slots, rendezvous: _Rendezvous,
             _say(stderr, f"attempt {attempt.number} stopped so that "
                          + (f"worker slot(s) {rejoined} rejoin" if rejoined else "hosts rejoin"))
             continue
-        if restarts >= group.max_restarts:
+        if restarts >= group.config.max_restarts:
             break
         restarts += 1
         message = f"attempt {attempt.number} failed: {attempt.failure}; "
@@ -347,7 +285,7 @@ def _attempts(group: _Group, slots: membership.Slots, rendezvous: _Rendezvous,
                 message += (f"dropping worker slot(s) {dropped} (failed {slots.slot_failures} "
                             f"attempt(s) in a row), going on with {len(slots.active())} "
                             "worker(s); ")
-        _say(stderr, message + f"restarting ({restarts}/{group.max_restarts})")
+        _say(stderr, message + f"restarting ({restarts}/{group.config.max_restarts})")
     return LaunchResult(_exit_code_of(attempts[-1]), attempts)
 
 
@@ -356,82 +294,42 @@ def _say(stderr, message: str) -> None:
         stderr.write(f"[launcher] {message}\n")
 
 
-def _check_launch_args(num_workers, min_workers, max_restarts, startup_timeout, hang_timeout,
-                       grace_period, timeout, hosts, host_index, base_port, min_hosts,
-                       slot_failures):
-    try:
-        check_int("num_workers", num_workers)
-        check_int("min_workers", min_workers)
-        check_int("max_restarts", max_restarts, minimum=0)
-        check_int("slot_failures", slot_failures)
-        check_int("min_hosts", min_hosts)
-    except ValueError as e:
-        raise LaunchError(str(e)) from None
-    if min_workers > num_workers:
-        raise LaunchError(f"min_workers ({min_workers}) is more than num_workers "
-                          f"({num_workers}); use -n MIN:MAX with MIN <= MAX.")
-    for name, value in (("startup_timeout", startup_timeout), ("timeout", timeout),
-                        ("hang_timeout", hang_timeout)):
-        if value is not None and not value > 0:
-            raise LaunchError(f"{name} must be > 0 seconds or None, got {value!r}.")
-    if not grace_period >= 0:
-        raise LaunchError(f"grace_period must be >= 0 seconds, got {grace_period!r}.")
-    if hosts is not None:
-        if not hosts or not all(isinstance(h, str) and h for h in hosts):
-            raise LaunchError(f"hosts must be a non-empty list of addresses, got {hosts!r}.")
-        if not is_int(host_index) or not 0 <= host_index < len(hosts):
-            raise LaunchError(f"host_index must be in 0..{len(hosts) - 1}, got {host_index!r}.")
-        if not is_int(base_port) or not 2 <= base_port <= 65535 - num_workers:
-            raise LaunchError(f"base_port {base_port!r} leaves no room for {num_workers} "
-                              "ports below 65536.")
-        if min_hosts > len(hosts):
-            raise LaunchError(f"min_hosts ({min_hosts}) is more than the {len(hosts)} hosts.")
-        if min_workers != num_workers:
-            raise LaunchError("With hosts, hosts are the elastic unit: use min_hosts, not "
-                              "min_workers.")
-
-
 @dataclasses.dataclass(frozen=True)
 class _Group:
     """What every attempt of one launch shares."""
 
+    config: LaunchConfig
     target: targets.Target
     workdir: str
     reports_dir: str
-    num_workers: int
-    max_restarts: int
-    startup_timeout: float | None
-    hang_timeout: float | None
-    grace_period: float
-    deadline: float | None
     env: dict
-    host: str
-    hosts: Sequence[str] | None
-    host_index: int
-    base_port: int
+    deadline: float | None
     stop: _StopSignals
     stdout: object
     stderr: object
-    log_dir: str
-    verbose: bool
-    preload: bool
+
+    @property
+    def hosts(self) -> list[str] | None:
+        return self.config.hosts
 
 
 class _Rendezvous:
     """The launcher's side of an elastic multi-host launch (inactive otherwise)."""
 
-    def __init__(self, hosts, host_index, base_port, min_hosts, timeout):
-        self.active = bool(hosts) and min_hosts < len(hosts)
+    def __init__(self, config: LaunchConfig):
+        hosts = config.hosts
+        self.active = bool(hosts) and config.fewest_hosts < len(hosts)
         if not self.active:
             return
-        name, port = _split_host(hosts[0], base_port)
+        name, port = _split_host(hosts[0], config.base_port)
         self.address = (name.strip("[]"), port - 1)
-        self.host_index, self.timeout = host_index, timeout
+        self.host_index, self.timeout = config.host_index, config.rendezvous_timeout
         secret = os.environ.get(ENV_SECRET)
         self.secret = secret.encode() if secret else None
-        self.server = (rendezvous_lib.RendezvousServer(self.address, len(hosts), min_hosts,
-                                                       timeout, self.secret)
-                       if host_index == 0 else None)
+        self.server = (rendezvous_lib.RendezvousServer(self.address, len(hosts),
+                                                       config.fewest_hosts, self.timeout,
+                                                       self.secret)
+                       if self.host_index == 0 else None)
 
     def __enter__(self):
         return self
@@ -463,14 +361,15 @@ class _Rendezvous:
 
 def _tf_configs(group: _Group, members: list[int]) -> tuple[list[dict], int, int]:
     """This host's workers' TF_CONFIGs, the global index of the first, and the total."""
-    n = group.num_workers
-    if group.hosts is None:
-        return cluster_lib.local_tf_configs(len(members), group.host), 0, len(members)
+    config = group.config
+    n = config.num_workers
+    if config.hosts is None:
+        return cluster_lib.local_tf_configs(len(members), config.host), 0, len(members)
     addresses = []
     for m in members:
-        name, port = _split_host(group.hosts[m], group.base_port)
+        name, port = _split_host(config.hosts[m], config.base_port)
         addresses += [f"{name}:{port + i}" for i in range(n)]
-    first = members.index(group.host_index) * n
+    first = members.index(config.host_index) * n
     configs = [{"cluster": {"worker": addresses}, "task": {"type": "worker", "index": first + i}}
                for i in range(n)]
     for config in configs:
@@ -495,92 +394,134 @@ def _run_attempt(group: _Group, number: int, members: list[int], regrow) -> Atte
             so that dropped slots or waiting hosts can rejoin.
     """
     configs, first, total = _tf_configs(group, members)
-    commands, result_paths = [], []
-    for i, config in enumerate(configs):
-        worker_env = {**os.environ, **group.env}
-        worker_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-        worker_env.update({
-            "TF_CONFIG": json.dumps(config),
-            ENV_WORKER_INDEX: str(first + i),
-            ENV_NUM_WORKERS: str(total),
-            ENV_ATTEMPT: str(number),
-            ENV_MAX_RESTARTS: str(group.max_restarts),
-            "PYTHONUNBUFFERED": "1",
-        })
-        if group.startup_timeout is not None:
-            worker_env[ENV_STARTUP_TIMEOUT] = str(group.startup_timeout)
-        path = os.path.join(group.workdir, f"result-{number}-{i}.pkl")
-        result_paths.append(path)
-        commands.append((group.target.command(path), worker_env))
-    attempt_dir = os.path.join(group.log_dir, f"attempt-{number}")
+    result_paths = [os.path.join(group.workdir, f"result-{number}-{i}.pkl")
+                    for i in range(len(configs))]
+    processes, liveness = _start(group, number, configs, first, total, result_paths)
+    started = time.monotonic()
+    watch = _watch(group, processes, liveness, first, regrow)
+    _stop(group, processes, watch)
+    workers = [_worker_result(i, w, result_paths[i], group.target)
+               for i, w in enumerate(processes.workers)]
+    attempt = Attempt(number, workers, watch.failure, watch.failed, members=members,
+                      planned=watch.planned, seconds=time.monotonic() - started)
+    _post_mortem(group, attempt, first, stalled=watch.stall is not None)
+    return attempt
+
+
+def _worker_env(group: _Group, config: dict, index: int, total: int,
+                number: int) -> dict[str, str]:
+    """One worker's environment: the launcher's, the launch's, its TF_CONFIG and contract."""
+    env = {**os.environ, **group.env}
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env.update({
+        "TF_CONFIG": json.dumps(config),
+        ENV_WORKER_INDEX: str(index),
+        ENV_NUM_WORKERS: str(total),
+        ENV_ATTEMPT: str(number),
+        ENV_MAX_RESTARTS: str(group.config.max_restarts),
+        "PYTHONUNBUFFERED": "1",
+    })
+    if group.config.startup_timeout is not None:
+        env[ENV_STARTUP_TIMEOUT] = str(group.config.startup_timeout)
+    return env
+
+
+def _start(group: _Group, number: int, configs: list[dict], first: int, total: int,
+           result_paths: list[str]) -> tuple[ProcessGroup, Liveness]:
+    """Starts the attempt's workers, with their log files and their liveness check."""
+    config = group.config
+    commands = [(group.target.command(path), _worker_env(group, c, first + i, total, number))
+                for i, (c, path) in enumerate(zip(configs, result_paths, strict=True))]
+    attempt_dir = os.path.join(config.log_dir, f"attempt-{number}")
     os.makedirs(attempt_dir, exist_ok=True)
     indices = [first + i for i in range(len(configs))]
-    console = console_lib.Console(indices, group.stdout, group.stderr, verbose=group.verbose)
+    console = console_lib.Console(indices, group.stdout, group.stderr, verbose=config.verbose)
     processes = ProcessGroup(commands, console,
                              [os.path.join(attempt_dir, f"worker-{i}.log") for i in indices],
-                             group.preload)
+                             config.preload)
     liveness = Liveness([w.pid for w in processes.workers], first, group.reports_dir, number,
                         [c["cluster"]["worker"][c["task"]["index"]] for c in configs],
-                        group.startup_timeout if total > 1 else None, group.hang_timeout,
-                        sees_every_worker=group.hosts is None)
-    failure = failed = None
-    planned = False
-    started = time.monotonic()
-    while failure is None:
+                        config.startup_timeout if total > 1 else None, config.hang_timeout,
+                        sees_every_worker=config.hosts is None)
+    return processes, liveness
+
+
+@dataclasses.dataclass
+class _Watched:
+    """How an attempt ended, as its supervision saw it."""
+
+    failure: str | None = None
+    failed: int | None = None  # index in the attempt's workers
+    stall: object = None  # a Liveness stall: stopped or stalled, it cannot save or report
+    planned: bool = False
+
+
+def _watch(group: _Group, processes: ProcessGroup, liveness: Liveness, first: int,
+           regrow) -> _Watched:
+    """Polls the workers until all exit with 0 or the attempt fails; says how it ended."""
+    watched = _Watched()
+    while watched.failure is None:
         codes = processes.returncodes()
         bad = [i for i, c in enumerate(codes) if c not in (None, 0)]
         stall = liveness.check(codes)
         if bad:
             # A worker that failed while a peer was stopped failed because of it.
             stall = stall or liveness.stopped_now()
-            failed = bad[0]
-            failure = f"worker {first + failed} failed with " + _status(codes[failed])
-            if codes[failed] in EXIT_CODES:
-                failure += f" ({EXIT_CODES[codes[failed]]})"
-            if stall is not None and stall.worker != failed:
-                failure = f"{stall.failure}; then {failure}"
-                failed = stall.worker
+            watched.failed = bad[0]
+            watched.failure = f"worker {first + bad[0]} failed with " + _status(codes[bad[0]])
+            if codes[bad[0]] in EXIT_CODES:
+                watched.failure += f" ({EXIT_CODES[codes[bad[0]]]})"
+            if stall is not None and stall.worker != bad[0]:
+                watched.failure = f"{stall.failure}; then {watched.failure}"
+                watched.failed = stall.worker
         elif stall is not None:
-            failed, failure = stall.worker, stall.failure
+            watched.failed, watched.failure = stall.worker, stall.failure
         elif all(c == 0 for c in codes):
-            break
+            return watched
         elif group.stop.signum is not None:
-            failure = f"launcher received {signal.Signals(group.stop.signum).name}"
+            watched.failure = f"launcher received {signal.Signals(group.stop.signum).name}"
         elif group.deadline is not None and time.monotonic() >= group.deadline:
-            failure = "the launch timed out"
+            watched.failure = "the launch timed out"
         elif regrow is not None and liveness.started and regrow():
-            failure, planned = "stopped by the launcher so that the group can grow back", True
+            watched.failure = "stopped by the launcher so that the group can grow back"
+            watched.planned = True
             # As on preemption: BackupAndRestore saves at one step on every worker.
             for worker in processes.workers:
                 worker.signal(signal.SIGTERM)
-        if failure is None:
+        watched.stall = stall
+        if watched.failure is None:
             time.sleep(_POLL_SECONDS)
-    if stall is not None:
+    return watched
+
+
+def _stop(group: _Group, processes: ProcessGroup, watched: _Watched) -> None:
+    """Stops what is left of the attempt, giving peers that stop themselves time to."""
+    if watched.stall is not None:
         # Stopped or stalled: it cannot save or report; the others need not wait for it.
-        processes.workers[failed].signal(signal.SIGKILL)
-    elif planned or (failed is not None and processes.returncodes()[failed] in _PEERS_FOLLOW):
+        processes.workers[watched.failed].signal(signal.SIGKILL)
+    elif watched.planned or (watched.failed is not None
+                             and processes.returncodes()[watched.failed] in _PEERS_FOLLOW):
         # Peers save at the same step (preemption) or write their flight-recorder
         # reports (hang) and exit on their own: give them time to.
-        deadline = time.monotonic() + max(group.grace_period, _PEERS_FOLLOW_SECONDS)
+        deadline = time.monotonic() + max(group.config.grace_period, _PEERS_FOLLOW_SECONDS)
         while any(c is None for c in processes.returncodes()) and time.monotonic() < deadline:
             time.sleep(_POLL_SECONDS)
-    processes.stop(group.grace_period)
-    workers = [_worker_result(i, w, result_paths[i], group.target)
-               for i, w in enumerate(processes.workers)]
-    attempt = Attempt(number, workers, failure, failed, members=members, planned=planned,
-                      seconds=time.monotonic() - started)
-    if stall is not None:
-        attempt.stopped_first = [failed]
-    elif failure is not None and not planned:
-        found = reports.read(group.reports_dir, number)
+    processes.stop(group.config.grace_period)
+
+
+def _post_mortem(group: _Group, attempt: Attempt, first: int, stalled: bool) -> None:
+    """Names who stopped first (liveness, else the flight-recorder reports) and says so."""
+    if stalled:
+        attempt.stopped_first = [attempt.failed_worker]
+    elif attempt.failure is not None and not attempt.planned:
+        found = reports.read(group.reports_dir, attempt.number)
         culprits = [i - first for i in reports.stopped_first(found)
-                    if first <= i < first + len(workers)]
+                    if first <= i < first + len(attempt.workers)]
         if found and culprits:
             attempt.stopped_first = culprits
             attempt.failure += "; " + reports.describe(found, [first + i for i in culprits])
-    if failure is not None and not planned:
+    if attempt.failure is not None and not attempt.planned:
         _say_root_cause(group.stderr, attempt, first)
-    return attempt
 
 
 def _say_root_cause(stderr, attempt: Attempt, first: int) -> None:

@@ -1,20 +1,13 @@
 """Workers that are stopped, or stall before their first step: noticed and named.
 
-The hang watchdog inside each worker counts training steps, so it cannot see a worker
-that stops before the first one, and a stopped process cannot report anything itself.
-The launcher watches what it can see from outside, every poll:
-
-1. A worker whose process is stopped (state `T` in /proc/PID/stat: SIGSTOP, a paused
-   container) for `STOPPED_GRACE` seconds fails the attempt, in any phase. When another
-   worker fails while one is stopped, the stopped one is named as the cause.
-2. Start-up is bounded: every worker reaches its first training step within
-   `startup_timeout` seconds of the attempt's start (a worker that reports no phases,
-   a script without `make_strategy`, only has to start TensorFlow's server). The one
-   furthest behind is named, with its phase (`tf_distrib.phases`).
-3. With a hang timeout, a worker that stays in a rendezvous (`phases.RENDEZVOUS`) for
-   the hang timeout (at least `MIN_RENDEZVOUS_SECONDS`) after its peers passed it is
-   frozen: nothing but its own progress is missing. Only when the launcher sees every
-   worker (one host); across hosts the workers' own bounds apply.
+The hang watchdog inside a worker counts steps, so the launcher watches from outside:
+1. a worker whose process stays stopped (SIGSTOP, a paused container) for
+   `STOPPED_GRACE` seconds fails the attempt, in any phase, and is named as the cause
+   of a peer's failure;
+2. every worker reaches its first step within `startup_timeout` seconds; the one
+   furthest behind is named with its phase (`tf_distrib.health.phases`);
+3. with a hang timeout, a worker that stays in a rendezvous that its peers passed is
+   frozen (one host only; across hosts the workers' own bounds apply).
 """
 
 from __future__ import annotations
@@ -23,7 +16,7 @@ import dataclasses
 import time
 
 from tf_distrib import cluster as cluster_lib
-from tf_distrib import phases
+from tf_distrib.health import phases
 
 #: Seconds a worker may stay stopped (state T) before the attempt fails.
 STOPPED_GRACE = 5.0

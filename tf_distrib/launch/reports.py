@@ -1,7 +1,7 @@
 """What the launcher learns from its workers' flight-recorder reports.
 
 Each worker that its hang watchdog stops, or that loses a peer, writes a report to
-TF_DISTRIB_REPORT_DIR (`tf_distrib.failure_report`). A hung worker is one the others wait
+TF_DISTRIB_REPORT_DIR (`tf_distrib.health.failure_report`). A hung worker is one the others wait
 for: a worker blocked in a collective reports the peers it waits for, and a worker
 that lost a peer names it. The worker(s) waited for, that are not themselves waiting,
 stopped first. Without that evidence (TensorFlow's collective reports nothing): among
@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 
-from tf_distrib import failure_report
+from tf_distrib.health import failure_report
 
 _PEER = re.compile(r"\b(chief|worker):(\d+) \(")
 

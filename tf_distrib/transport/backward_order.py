@@ -1,23 +1,13 @@
 """Across hosts, backward hands each gradient bucket over before it computes the rest.
 
-A bucket's sum can travel while backward goes on only once its gradients exist and its
-start op has run. TensorFlow's executor does not favour them: where backward forks (a
-dense layer's output gradient feeds both its kernel's gradient and its input's), a
-worker with one inter-op thread (one pinned to one core) ran the input's branch first,
-down to the first layer, and computed the kernel's gradient last. Measured on the
-benchmark MLP between 2 simulated hosts at 1 Gbit/s (bf16): the first bucket (the last
-two layers) started 2.3 ms before backward ended, of a 32 ms forward and backward, so
-almost none of its 10 ms on the link hid behind computation.
-
-`start_buckets_first` makes every op where backward forks off towards later buckets
-wait for the earlier bucket's start op (a control edge): the bucket leaves as soon as
-its gradients exist, and the rest of backward runs while it travels. Only the order
-changes, never a value.
-
-Only stateless ops that no earlier bucket needs are made to wait, and none that a
-stateful op made before the start ops depends on: TensorFlow chains stateful ops in
-the order they were made (`auto_control_deps`), and an edge from a start op to an op
-that the chain already makes it depend on would be a cycle.
+TensorFlow's executor does not favour a bucket's start op: where backward forks (a dense
+layer's output gradient feeds its kernel's gradient and its input's), a worker with one
+inter-op thread ran the input's branch first and the kernel's gradient last, so almost
+none of a bucket's time on the link hid behind computation. `start_buckets_first` makes
+every op where backward forks off towards later buckets wait for the earlier bucket's
+start (a control edge). Only the order changes, never a value. Only stateless ops that
+no earlier bucket needs wait, and none that a stateful op made before the start ops
+depends on (TensorFlow's `auto_control_deps` chain would make that edge a cycle).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ import time
 
 import numpy as np
 
-from tf_distrib import failure_report, phases
+from tf_distrib.health import failure_report, phases
 from tf_distrib.transport import native_sum
 from tf_distrib.transport.buffers import BufferPool, Layout
 from tf_distrib.transport.errors import PeerLostError, TransportError

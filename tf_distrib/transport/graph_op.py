@@ -1,20 +1,12 @@
 """The transport as a TensorFlow op, run in the same order on every worker.
 
-Each all-reduce is one stateful `tf.numpy_function` (or, for float32 and int64 where
-the transport has it, the native op of `native_sum`), bracketed by two updates of a
-token variable that belongs to the transport. Inside a `tf.function`, TensorFlow
-orders every op that touches one resource in program order, through `tf.cond` and
-`tf.while_loop` bodies too, so the collectives of a step run one at a time, in the
-order they were traced: the same order on every worker, while each one still starts
-as soon as its own inputs exist. The token's value numbers the collective.
-
-Across hosts (`Transport.overlaps`), `all_reduce_buckets` splits each bucket's op in
-two: a start that hands the bucket to the transport's thread and returns, and a finish
-that waits for its sum. Every finish waits for every start, so no finish can hold the
-inter-op thread (one, on a worker pinned to one core) while backward still computes a
-later bucket: the network carries the first buckets while the last are computed, and
-the ops that only later buckets need wait for the earlier buckets' starts
-(`backward_order`), so that each bucket leaves as soon as its gradients exist.
+Each all-reduce is one stateful op (`tf.numpy_function`, or the native op of
+`native_sum`) bracketed by two updates of a token variable of the transport: TensorFlow
+orders every op that touches one resource in program order, so a step's collectives run
+one at a time in the order they were traced, the same on every worker. Across hosts,
+`all_reduce_buckets` splits each bucket into a start that hands it to the transport's
+thread and a finish that waits for its sum; every finish waits for every start, so the
+network carries the first buckets while backward computes the rest (`backward_order`).
 """
 
 from __future__ import annotations

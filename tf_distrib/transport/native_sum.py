@@ -1,67 +1,33 @@
 """The same-host all-reduce as a TensorFlow op, built against the installed TensorFlow.
 
-`tf.numpy_function` hands TensorFlow its results as memory TensorFlow does not own, and
-a kernel may overwrite only a buffer it owns: the optimizer's update then writes a new
-7.4 MB buffer every step instead of updating the MLP's gradients in place, and every
-collective pays the function's Python. `native_sum.cc` runs the shared-memory
-reduce-scatter of `shared_memory.py` (same segment, counters and sums, bitwise) inside a
-C++ op whose sums land in tensors TensorFlow allocated. Measured on the MLP of `bench
-scaling`, 2 workers x 1 core, the two paths alternating by epoch within one run: 0.67
-ms less CPU per step (median of 9 pairs; the whole exchange had cost 1.2 ms). Two more
-ops take Keras' SGD step (with or without momentum) inside the same collective
-(`NativeSum.sgd`): each worker updates its part of the weights and copies the others'
-parts, 0.2-0.3 ms less CPU per step for that MLP, 0.65 ms with momentum. Where nothing
-else refers to it, each worker writes its part into one of the segment's two update
-regions instead, in place once the variables hold it: one copy of the weights for all
-workers, nothing copied back (see native_sum.cc).
+`native_sum.cc` runs the shared-memory reduce-scatter of `shared_memory.py` (same
+segment, counters and sums, bitwise) inside a C++ op whose sums land in tensors
+TensorFlow allocated, so optimizers update in place; two more ops fuse Keras' SGD step
+(with or without momentum) into the collective (`NativeSum.sgd`). The op is built on
+first use (`native_build`); where it cannot be built or loaded, the transport warns,
+naming the cause, and keeps its Python path (`TF_DISTRIB_NATIVE_SUM=0` skips it). Its
+waits cannot run Python: a watcher thread checks the peers' liveness and sets the op's
+abort word when one is lost. The op records its last 64 collectives for the flight
+recorder (`Transport.recent()`).
 
-The op is compiled on first use (~10 s, `make` does it at install) with the C++ compiler
-in `$CXX` (default `c++`) and the flags of `tf.sysconfig`, into
-`$XDG_CACHE_HOME/tf_distrib` (default ~/.cache/tf_distrib), once per TensorFlow version
-and source. Where it cannot be built or loaded, the transport warns once and keeps its
-Python path; `TF_DISTRIB_NATIVE_SUM=0` keeps the Python path without trying.
-
-Its waits cannot run Python, so each worker's watcher thread checks its peers' liveness
-while the op waits (as the Python path's polling does) and, when one is lost, stops the
-transport and sets the op's abort word: the op fails with the same message, naming the
-peer. The op wakes that thread through a pipe when its first collective completes, and
-the thread then reports the TRAINING phase (the launcher names the phase of a worker
-that stops; polling alone let a fast worker stop at its 15th step still "in its first
-step"). The op records its last 64 collectives in the control block, for the flight
-recorder's reports (`Transport.recent()`): the one a hung worker waits in has no end.
-
-Example (what `tf_distrib.transport.graph_op` does with a transport whose `native` is
-set):
-
-```python
-sums = transport.native.all_reduce(ticket, [gradient_a, gradient_b])
-```
+Example: `sums = transport.native.all_reduce(ticket, [gradient_a, gradient_b])`.
 """
 
 from __future__ import annotations
 
-import fcntl
 import functools
-import hashlib
 import os
 import select
-import shutil
-import subprocess
 import threading
-import time
 import warnings
 
 import numpy as np
 
-from tf_distrib import contract, phases
-from tf_distrib.transport import shared_memory
+from tf_distrib import contract
+from tf_distrib.health import phases
+from tf_distrib.transport import native_build, shared_memory
 from tf_distrib.transport.errors import TransportError
 
-SOURCE = os.path.join(os.path.dirname(__file__), "native_sum.cc")
-# A first build takes ~10 s on one core; its peers wait for it (`connect`'s timeout).
-BUILD_TIMEOUT_SECONDS = 60.0
-# No fused multiply-adds: the op's SGD step rounds as TensorFlow's multiply and subtract.
-_CXXFLAGS = ("-shared", "-fPIC", "-O3", "-ffp-contract=off", "-w")
 # The control block: int64 words, as native_sum.cc reads them, the abort message, the
 # flight recorder's ring (number, bytes, started, ended: wall-clock nanoseconds), then the
 # SGD steps' words: this process's tensors in each of the two update regions, the steps
@@ -96,11 +62,6 @@ def enabled() -> bool:
     return value == 1
 
 
-def compiler() -> str | None:
-    """The C++ compiler that builds the op (`$CXX`, default `c++`), or None if missing."""
-    return shutil.which(os.environ.get("CXX", "c++"))
-
-
 @functools.cache
 def library():
     """The loaded op library, built first if need be; None (and one warning) if it cannot be.
@@ -110,62 +71,23 @@ def library():
     import tensorflow as tf
 
     try:
-        path = _built(tf)
+        path = native_build.library_path(
+            [*tf.sysconfig.get_compile_flags(), *tf.sysconfig.get_link_flags()], tf.__version__)
+    except native_build.BuildFailed as e:
+        return _without_the_op(f"it cannot be built: {e}")
+    try:
         return tf.load_op_library(path)
-    except (OSError, subprocess.SubprocessError, tf.errors.OpError) as e:
-        warnings.warn(
-            f"tf_distrib: the native all-reduce op could not be built or loaded ({e}); "
-            "the shared-memory transport keeps its Python path (~0.5 ms more CPU per step "
-            "for 7 MB of gradients). Install a C++ compiler (g++) or set CXX; set "
-            f"{contract.ENV_NATIVE_SUM}=0 to silence this.", RuntimeWarning, stacklevel=2)
-        return None
+    except (OSError, tf.errors.OpError) as e:
+        return _without_the_op(f"{path} did not load ({e}); "
+                               "`tf-distrib doctor --rebuild` builds it again")
 
 
-def _built(tf) -> str:
-    """The path of the op's shared library for this TensorFlow, compiled if missing."""
-    cxx = compiler()
-    if cxx is None:
-        raise OSError(f"no C++ compiler: {os.environ.get('CXX', 'c++')} is not on PATH")
-    flags = [*_CXXFLAGS, *tf.sysconfig.get_compile_flags(), *tf.sysconfig.get_link_flags()]
-    with open(SOURCE, "rb") as f:
-        source = f.read()
-    key = hashlib.sha256(b"\0".join([source, tf.__version__.encode(), cxx.encode(),
-                                     *(flag.encode() for flag in flags)])).hexdigest()[:16]
-    directory = os.path.join(os.environ.get("XDG_CACHE_HOME")
-                             or os.path.expanduser("~/.cache"), "tf_distrib")
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f"native_sum-{key}.so")
-    # Workers of one host start together: one builds, the others wait for its library.
-    with open(path + ".lock", "w") as lock:
-        _lock(lock, path)
-        if not os.path.exists(path):
-            partial = f"{path}.{os.getpid()}.tmp"
-            try:
-                done = subprocess.run(
-                    [cxx, SOURCE, "-o", partial, *flags],
-                    capture_output=True, text=True, timeout=BUILD_TIMEOUT_SECONDS)
-                if done.returncode != 0:
-                    raise OSError(f"{os.path.basename(cxx)} exited with {done.returncode}: "
-                                  f"{done.stderr.strip()[-500:]}")
-                os.replace(partial, path)
-            finally:
-                if os.path.exists(partial):
-                    os.unlink(partial)
-    return path
-
-
-def _lock(lock, path: str) -> None:
-    """Takes the build's lock, waiting for another process's build as long as one may take."""
-    deadline = time.monotonic() + BUILD_TIMEOUT_SECONDS + 10
-    while True:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                raise OSError(f"another process has held {path}.lock for over "
-                              f"{BUILD_TIMEOUT_SECONDS + 10:g} s") from None
-            time.sleep(0.1)
+def _without_the_op(cause: str) -> None:
+    warnings.warn(
+        f"tf_distrib: the native all-reduce op is not used: {cause}. The shared-memory "
+        "transport keeps its Python path (~0.5 ms more CPU per step for 7 MB of "
+        f"gradients); set {contract.ENV_NATIVE_SUM}=0 to silence this.", RuntimeWarning,
+        stacklevel=3)
 
 
 class NativeSum:

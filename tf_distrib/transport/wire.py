@@ -1,22 +1,18 @@
 """The transport's wire format: fixed frame headers and a mutual HMAC handshake.
 
-Every frame is a 24-byte header, then `length` bytes of payload:
+A frame is a 24-byte header, then `length` bytes of payload:
 
     magic "TFDT" | version u8 | kind u8 | part u16 | seq u64 | length u64   (network order)
 
-`seq` numbers the collective, `part` the step or chunk inside it; a receiver accepts
-only the frame it expects, so a malformed, truncated or out-of-order frame raises
-`ProtocolError` instead of being summed.
-
-Handshake (the connecting worker C, the accepting worker A, the job's secret S):
+A receiver accepts only the frame it expects (`seq` the collective, `part` the chunk),
+so a malformed or out-of-order frame raises `ProtocolError`. Handshake (connecting C, accepting A, the job's secret S):
 
     C -> A  HELLO      rank_C, nonce_C
     A -> C  CHALLENGE  nonce_A, HMAC(S, "acceptor" | ranks | nonce_C | nonce_A)
     C -> A  PROOF      HMAC(S, "connector" | ranks | nonce_A | nonce_C)
     A -> C  WELCOME
 
-Each side proves it knows S without sending it, with fresh nonces each time, so a
-recorded handshake cannot be replayed. Connections are authenticated, not encrypted.
+Fresh nonces make a recorded handshake useless. Authenticated, not encrypted.
 """
 
 from __future__ import annotations

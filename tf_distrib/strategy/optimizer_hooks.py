@@ -1,27 +1,14 @@
 """How Keras optimizers under `make_strategy()`'s strategies reach tf_distrib.
 
-Keras 3 leaves these to the TensorFlow optimizer, and tf_distrib routes exactly these
-methods of Keras' `TFOptimizer`, for optimizers whose strategy `make_strategy()` made
-(`mark`); every other optimizer runs Keras' own code:
-
-- `_all_reduce_sum_gradients`: the gradient all-reduce goes through the strategy's
-  `GradientAllReduce` (buckets, compression, tf_distrib's transport), when it has one.
-- `_backend_update_step`, for Keras' `SGD` where the all-reduce runs in the transport's
-  native op: the update is fused into it (`GradientAllReduce.sgd`), each worker computing
-  its part of the new weights and velocities, bitwise Keras' step on the same sums; the
-  op assigns the variables (where it can, all workers' variables then hold one copy in
-  shared memory).
-- `_backend_apply_gradients` with `gradient_accumulation_steps=K`: Keras runs the
-  all-reduce inside a `tf.cond`, where tf.distribute cannot `merge_call`
-  ("merge_call called while defining a new graph", keras-team/keras#16633). Here each
-  replica adds its gradients to its own accumulators on K-1 steps out of K, with no
-  communication; on the K-th, the cond runs in cross-replica context (as Keras'
-  LossScaleOptimizer does) and calls Keras' own update step in every replica: one
-  all-reduce of the accumulated gradients, clipping, weight decay and the update.
-  Two passes over the gradients fewer per update than Keras' own (see
-  `_accumulate_then_apply`), bitwise its weights for K a power of two.
-
-Keras offers no hook that sees an optimizer before its first step, so the methods are
+For optimizers whose strategy `make_strategy()` made (`mark`), these methods of Keras'
+`TFOptimizer` are routed here; every other optimizer runs Keras' own code:
+- `_all_reduce_sum_gradients`: through the strategy's `GradientAllReduce`;
+- `_backend_update_step`, for `SGD` on the native op: the update fused into the
+  all-reduce, bitwise Keras' step;
+- `_backend_apply_gradients` with `gradient_accumulation_steps=K`, which Keras runs in
+  a `tf.cond` where tf.distribute cannot `merge_call` (keras-team/keras#16633): each
+  replica accumulates locally and the K-th step updates in cross-replica context.
+Keras has no hook that sees an optimizer before its first step, so the methods are
 replaced on the class, once; they dispatch on the optimizer's strategy.
 """
 

@@ -1,6 +1,6 @@
 """What tf_distrib's strategies do when their input iterators are made and dropped.
 
-- Made: building one makes TensorFlow lower glibc's mmap threshold (`tf_distrib._malloc`);
+- Made: building one makes TensorFlow lower glibc's mmap threshold (`tf_distrib.strategy._malloc`);
   each new iterator restores it.
 - Dropped: tearing one down blocks. Keras makes a new iterator for every epoch of a
   finite dataset (two, in fact: one as an epoch ends, another as the next begins), and
@@ -12,7 +12,7 @@
   spent iterator of a dataset given to `fit` goes to one background thread, which drops
   it once nobody else refers to it: TensorFlow releases the GIL while it joins the
   threads. (`distribute_dataset` builds its pipelines without autotuning instead,
-  `tf_distrib._input_stalls`: they tear down in ~0.2 s.)
+  `tf_distrib.data._input_stalls`: they tear down in ~0.2 s.)
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 
-from tf_distrib import _malloc
+from tf_distrib.strategy import _malloc
 
 # How long the reaper waits for the others (Keras' epoch loop) to drop a spent
 # iterator; after that it lets go, and whoever drops it last tears it down.

@@ -1,22 +1,12 @@
 """Keeps glibc from unmapping and re-faulting a training step's buffers on every step.
 
 Building a tf.distribute input iterator makes TensorFlow call
-`mallopt(M_MMAP_THRESHOLD, 128 KiB)` (`tensorflow::data::ApplyPython311MemoryPatch`, run
-when a `GeneratorDataset` kernel is built; TF's `MultiDeviceIterator` builds one). That
-turns off glibc's dynamic threshold, which would otherwise rise to 32 MiB as large buffers
-are freed: from then on every buffer over 128 KiB (activations, gradients, oneDNN's GEMM
-scratch) is a fresh mmap that the kernel faults in and zeroes, and unmaps when freed, on
-every step. Plain Keras without a strategy never builds that kernel. Measured on
-`make bench`'s scaling model (TF 2.21): 33,000 page faults a second per MWMS worker against
-3 without a strategy, ~9% of the worker's CPU; with the threshold below, 100 a second and
-+9% examples/s.
-
-The strategies of `make_strategy()` set the threshold to glibc's maximum (32 MiB; trim
-threshold twice that, as glibc's dynamic rule would) each time TensorFlow has built one
-of their input iterators (`tf_distrib._input_iterators`). `TF_DISTRIB_MMAP_THRESHOLD`
-sets another threshold in bytes; 0 keeps TensorFlow's (its patch limits heap growth in
-`Dataset.from_generator` pipelines under Python 3.11+). glibc only; elsewhere nothing
-changes.
+`mallopt(M_MMAP_THRESHOLD, 128 KiB)`, which turns off glibc's dynamic threshold: every
+buffer over 128 KiB is then a fresh mmap, faulted in and zeroed on every step (about 9%
+of an MWMS worker's CPU on the benchmark MLP). The strategies of `make_strategy()` set
+the threshold to glibc's maximum (32 MiB) each time TensorFlow has built one of their
+input iterators. `TF_DISTRIB_MMAP_THRESHOLD` sets another threshold in bytes; 0 keeps
+TensorFlow's. glibc only; elsewhere nothing changes.
 """
 
 from __future__ import annotations

@@ -2,14 +2,14 @@
 
 A worker that stops for a reason it can name writes one JSON report to
 TF_DISTRIB_REPORT_DIR, `report-<attempt>-<worker index>.json`: the hang watchdog
-(`tf_distrib.watchdog`, with its flight recorder) and the gradient transport (a lost
+(`tf_distrib.health.watchdog`, with its flight recorder) and the gradient transport (a lost
 peer) both write here, and `tf_distrib.launch.reports` reads them to name the worker
 that stopped first. Plain Python, no TensorFlow.
 
 Example:
 
 ```python
-from tf_distrib import failure_report
+from tf_distrib.health import failure_report
 
 failure_report.write_failure("worker:0", "lost worker:1", lost_peer="worker:1")
 ```

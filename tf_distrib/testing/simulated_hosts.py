@@ -1,23 +1,14 @@
 """Simulated hosts on one machine, for multi-host tests and benchmarks.
 
-Each host is a network namespace with its own address in 198.18.0.0/15 (the range
-reserved for network benchmarking, RFC 2544), its own hostname and its own /dev/shm, and
-an /etc/hosts of its own that resolves every host's name, so tf_distrib sees separate
-machines: `make_strategy()` picks the TCP ring between them, as between real hosts. The
-hosts hang off one bridge (in a namespace of its own), and each host's link is shaped to
-`rate` in both directions (`tc ... tbf`). Traffic stays between these namespaces: nothing
-is routed to the machine's own network.
-
-Needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) and iproute2, tc, unshare and nsenter;
-`unavailable()` says what is missing. Everything made is removed by `close()`, at exit,
-and, after a crash, by the next `SimulatedHosts` (namespaces whose creator is gone).
-
+Each host is a network namespace with its own address in 198.18.0.0/15 (RFC 2544), its
+own hostname, /dev/shm and /etc/hosts, on one bridge, its link shaped to `rate` (tc
+tbf). Needs root and iproute2, tc, unshare, nsenter (`unavailable()` says what is
+missing); `close()` removes everything, as does the next `SimulatedHosts` after a crash.
 Example:
 
 ```python
 with SimulatedHosts(2, rate="1gbit") as hosts:
-    worker = hosts.run(1, ["python", "-c", "import socket; print(socket.gethostname())"],
-                       stdout=subprocess.PIPE, text=True)
+    worker = hosts.run(1, ["hostname"], stdout=subprocess.PIPE, text=True)
     print(worker.communicate()[0])      # host1
     hosts.partition(1)                  # host 1 is cut off ...
     hosts.heal(1)                       # ... and back

@@ -1,20 +1,14 @@
 """Where a worker is in its start-up, as its launcher sees it.
 
-Before its first training step a worker passes through phases that wait on its peers
-or on storage: TensorFlow's cluster rendezvous, the transport's rendezvous, restoring
-a backup, tracing the first step. The hang watchdog only watches steps, so a worker
-stopped or frozen in one of these phases would leave its peers waiting with nobody
-named. Each phase is reported here: `tf_distrib` enters them itself (`make_strategy`,
-`BackupAndRestore`, the first step), and under `tf-distrib launch` each change is
-written to the worker's report directory, from which the launcher names the phase
-in which a worker stopped (`tf_distrib.launch.liveness`).
-
-Plain Python, no TensorFlow: the launcher imports it too.
-
+Before its first step a worker waits on its peers or storage (the cluster's and the
+transport's rendezvous, restoring a backup, tracing the first step), where the hang
+watchdog cannot see it. tf_distrib enters each phase itself; under `tf-distrib launch`
+each change is written to the worker's report directory, from which the launcher
+names the phase in which a worker stopped. Plain Python, no TensorFlow.
 Example:
 
 ```python
-from tf_distrib import phases
+from tf_distrib.health import phases
 
 with phases.entered(phases.RESTORING):   # the phase until the block ends
     restore_my_state()

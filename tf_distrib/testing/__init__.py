@@ -20,8 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from tf_distrib.launch import WorkerResult, launch
-from tf_distrib.launch.job import DEFAULTS
-from tf_distrib.simulated_hosts import SimulatedHosts
+from tf_distrib.testing.simulated_hosts import SimulatedHosts
 
 __all__ = ["run_workers", "WorkersFailed", "SimulatedHosts"]
 
@@ -35,16 +34,13 @@ class WorkersFailed(RuntimeError):
 
 
 def run_workers(target: str | Callable, num_workers: int = 2, *, args: Sequence = (),
-                kwargs: Mapping | None = None,
-                timeout: float = 300.0, startup_timeout: float | None = DEFAULTS.startup_timeout,
-                env: Mapping[str, str] | None = None, quiet: bool = False,
-                check: bool = True, preload: bool | None = DEFAULTS.preload
-                ) -> list[WorkerResult]:
+                kwargs: Mapping | None = None, check: bool = True,
+                **options) -> list[WorkerResult]:
     """Runs `target` once in `num_workers` real processes with TF_CONFIG on 127.0.0.1.
 
-    Every worker is stopped when one fails or `timeout` passes (SIGTERM, then SIGKILL:
-    MultiWorkerMirroredStrategy ignores SIGTERM), so a test never hangs and never
-    leaves processes behind.
+    Every worker is stopped when one fails or the launch's `timeout` passes (SIGTERM,
+    then SIGKILL: MultiWorkerMirroredStrategy ignores SIGTERM), so a test never hangs
+    and never leaves processes behind.
 
     Args:
         target: A function (its return value comes back in `WorkerResult.value`),
@@ -52,25 +48,15 @@ def run_workers(target: str | Callable, num_workers: int = 2, *, args: Sequence 
         num_workers: Number of worker processes. Defaults to 2.
         args: Arguments of the function, or of the script. Defaults to ().
         kwargs: Keyword arguments of the function. Defaults to None.
-        timeout: Hard limit in seconds for the whole run: unlike `launch()`, a test
-            must always end. Defaults to 300.
-        startup_timeout: Seconds each worker may take to reach its first training
-            step, or to start TensorFlow's server when it does not use `make_strategy`
-            (None: no check, for targets that never start one). Defaults to the
-            launcher's default, 300.
-        env: Extra environment variables. Defaults to None.
-        quiet: Keep output only in the results instead of streaming it. Defaults to False.
         check: Raise `WorkersFailed` unless every worker exits with 0. Defaults to True.
-        preload: Fork the workers from a process that has already imported TensorFlow
-            and Keras (`tf_distrib.launch.forkserver`; seconds faster per worker), for
-            targets that do not set environment variables before importing
-            TensorFlow. Defaults to None: TF_DISTRIB_PRELOAD=1 turns it on.
+        **options: `tf_distrib.launch.LaunchConfig` fields, e.g. `quiet=True`; unlike
+            `launch()`'s, `timeout` defaults to 300 s: a test must always end.
 
     Returns:
         One `WorkerResult` per worker (index, exit_code, output, value).
     """
-    result = launch(target, num_workers, args=args, kwargs=kwargs, timeout=timeout,
-                    startup_timeout=startup_timeout, env=env, quiet=quiet, preload=preload)
+    options.setdefault("timeout", 300.0)
+    result = launch(target, num_workers, args=args, kwargs=kwargs, **options)
     if check and result.exit_code != 0:
         raise WorkersFailed(result.failure_report(), result.workers)
     return result.workers

@@ -1,20 +1,4 @@
-"""Dataset sharding: every example once per epoch across all replicas and workers.
-
-Example:
-
-```python
-strategy = td.make_strategy()
-ds = tf.data.Dataset.from_tensor_slices((x, y))          # unbatched
-dist = td.data.distribute_dataset(strategy, ds, global_batch_size=256,
-                                  shuffle_buffer=10_000, seed=1)
-model.fit(dist, epochs=3)
-print(dist.steps_per_epoch, dist.dropped_examples)
-
-# Files: whole files per worker when there are enough, records otherwise.
-dist = td.data.distribute_dataset(strategy, "data/train-*.tfrecord", 256,
-                                  reader=parse_tfrecords)
-```
-"""
+"""`distribute_dataset`: every example once per epoch across all replicas and workers."""
 
 from __future__ import annotations
 
@@ -28,8 +12,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from tf_distrib import _compat, _input_stalls
+from tf_distrib import _compat
 from tf_distrib._checks import check_int
+from tf_distrib.data import _input_stalls
 
 __all__ = ["distribute_dataset", "per_replica_batch_size", "shard_files",
            "tfds_source", "TFDSSource", "SHARD_POLICIES", "set_epoch"]
@@ -198,16 +183,13 @@ def distribute_dataset(strategy: tf.distribute.Strategy,
         repeat: Repeat the epoch without end, for
             `model.fit(dist, steps_per_epoch=dist.steps_per_epoch, epochs=...)`: every
             `steps_per_epoch` steps are one epoch, each example once (reshuffled when
-            shuffling). Keras then keeps one iterator for the whole `fit`; otherwise it
-            builds up to two per epoch, ~0.2 s each under MWMS (measured: 2-worker steps
-            of 33-36 ms became 28-30 ms on 60-step epochs). Needs a source whose size
-            can be known. Defaults to False.
+            shuffling). Keras then keeps one iterator for the whole `fit` instead of
+            building up to two per epoch (~0.2 s each under MWMS; docs/data.md). Needs
+            a source whose size can be known. Defaults to False.
         autotune: Run tf.data's autotuning model on the pipelines. In TF 2.21 each
-            iterator Keras `fit` drops (one or two per epoch) then blocks training for
-            up to the model's optimization period, seconds that double up to a minute
-            (measured: 2-worker epochs of 1.4 s took 2.3-5.1 s). Without it, AUTOTUNE
-            stages use one parallel call per core and prefetch buffers grow while the
-            consumer waits. Defaults to False.
+            iterator Keras `fit` drops then blocks training for up to the model's
+            optimization period (docs/data.md). Without it, AUTOTUNE stages use one
+            parallel call per core. Defaults to False.
 
     Returns:
         A `tf.distribute.DistributedDataset` for `model.fit`, with the attributes

@@ -1,22 +1,16 @@
 """Hang watchdog and flight recorder for multi-worker training.
 
-A worker that is alive but stuck (a deadlocked input pipeline, a blocking call, a
-paused process) leaves its peers waiting in a collective, and TensorFlow's heartbeat
-only catches dead processes. `make_strategy()` gives each MultiWorkerMirroredStrategy
-worker a `Watchdog`: every step the strategy runs (training, evaluation, prediction)
-counts itself in a variable, from inside the step's graph (a few microseconds), and the
-watchdog's thread reads that count once a second. When no step has finished for
-`hang_timeout` seconds, the worker writes a flight-recorder report (its last steps with timestamps,
-its transport's last collectives and whom it waits for, every Python thread's stack),
-tells the other workers through TensorFlow's coordination service so that they write
-theirs too, and exits with `contract.HUNG_EXIT_CODE` (76). `tf-distrib launch` reads
-the reports, names the worker(s) that stopped first, and restarts the group.
+A worker that is alive but stuck leaves its peers waiting in a collective; TensorFlow's
+heartbeat catches only dead processes. Each step a `make_strategy()` MWMS worker runs
+counts itself from inside the step's graph, and the `Watchdog`'s thread reads the count
+once a second. When no step has finished for `hang_timeout` seconds, the worker writes a
+flight-recorder report (its last steps, its transport's last collectives, every
+thread's stack), tells its peers to write theirs, and exits with `HUNG_EXIT_CODE` (76);
+`tf-distrib launch` names who stopped first and restarts the group.
 
-The watchdog arms after the first step (tracing a large model may take minutes),
-fires only while Keras' `fit`, `evaluate` or `predict` (or a tf.function) runs, so a
-script's own work between them is never cut short, and pauses while `BackupAndRestore`
-saves; wrap other long work inside training (a large chief-only export in a callback,
-say) in `tf_distrib.watchdog.paused("exporting")`.
+It arms after the first step, fires only inside `fit`, `evaluate`, `predict` or a
+tf.function, and pauses while `BackupAndRestore` saves; wrap other long work inside
+training in `tf_distrib.health.watchdog.paused("exporting")`.
 """
 
 from __future__ import annotations
@@ -31,7 +25,8 @@ import time
 import traceback
 from collections.abc import Callable
 
-from tf_distrib import contract, failure_report, phases
+from tf_distrib import contract
+from tf_distrib.health import failure_report, phases
 
 #: Seconds without a finished step before the watchdog fires, unless told otherwise.
 DEFAULT_HANG_TIMEOUT = 600.0
@@ -106,7 +101,7 @@ class Watchdog:
     def _watch(self) -> None:
         interval = min(1.0, self.timeout / 10)
         # Until the first step finishes, often: the launcher names the phase a stopped
-        # worker is in from what this thread reports (`tf_distrib.phases`).
+        # worker is in from what this thread reports (`tf_distrib.health.phases`).
         wait = _FIRST_STEP_POLL
         while not self._stopped.wait(wait):
             self._observe()
@@ -200,7 +195,7 @@ def paused(reason: str):
     Example:
 
     ```python
-    with tf_distrib.watchdog.paused("exporting the model"):
+    with tf_distrib.health.watchdog.paused("exporting the model"):
         if td.callbacks.is_chief():
             model.export("/shared/model")
     ```

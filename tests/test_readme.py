@@ -12,7 +12,7 @@ README = pathlib.Path(__file__).parent.parent / "README.md"
 
 
 def test_readme_is_a_front_page():
-    assert README.stat().st_size <= 10 * 1024
+    assert README.stat().st_size <= 8 * 1024
 
 
 @pytest.mark.multiprocess

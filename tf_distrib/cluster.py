@@ -55,7 +55,17 @@ SLURM_PORT_BASE = 8888
 
 
 class ClusterConfigError(ValueError):
-    """A cluster configuration is invalid. The message names the field and the fix."""
+    """A cluster configuration is invalid. The message names the field and the fix.
+
+    Example:
+
+    ```python
+    try:
+        td.cluster.parse_tf_config('{"cluster": {}}')
+    except td.ClusterConfigError as e:
+        print(e)   # names the problem and the fix
+    ```
+    """
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +78,14 @@ class ClusterSpec:
         task_type: This process's role.
         task_index: This process's index within its role.
         environment: TF_CONFIG's optional "environment" (e.g. "cloud" on Kubeflow).
+            Defaults to None.
+
+    Example:
+
+    ```python
+    spec = td.cluster.parse_tf_config(os.environ["TF_CONFIG"])
+    print(spec.task, spec.num_workers, spec.is_chief)
+    ```
     """
 
     cluster: Mapping[str, tuple[str, ...]]
@@ -356,6 +374,14 @@ def from_environment(environ: Mapping[str, str] | None = None) -> ClusterSpec | 
 
     Raises:
         ClusterConfigError: when a cluster is configured but invalid.
+
+    Example:
+
+    ```python
+    spec = td.cluster.from_environment()
+    if spec is None:
+        print("no cluster: make_strategy() uses this process's devices")
+    ```
     """
     env = os.environ if environ is None else environ
     tf_config = env.get("TF_CONFIG", "").strip()
@@ -456,6 +482,12 @@ def expand_slurm_nodelist(nodelist: str) -> list[str]:
 
     Returns:
         The host names, in Slurm's order.
+
+    Example:
+
+    ```python
+    td.cluster.expand_slurm_nodelist("node[01-02],gpu7")   # ["node01", "node02", "gpu7"]
+    ```
     """
     hosts = []
     for match in re.finditer(r"([^,\[]+)(?:\[([^\]]*)\])?([^,]*)", nodelist):
@@ -560,6 +592,13 @@ def local_tf_configs(num_workers: int, host: str = "127.0.0.1",
 
     Returns:
         A list of `num_workers` TF_CONFIG dicts (JSON-encode them for the environment).
+
+    Example:
+
+    ```python
+    configs = td.cluster.local_tf_configs(2)
+    os.environ["TF_CONFIG"] = json.dumps(configs[0])   # this process is worker 0
+    ```
     """
     check_int("num_workers", num_workers)
     ports = free_ports(num_workers, host) if ports is None else list(ports)
@@ -575,7 +614,18 @@ def local_tf_configs(num_workers: int, host: str = "127.0.0.1",
 
 
 def is_listening(address: str, timeout: float = 1.0) -> bool:
-    """Whether something accepts TCP connections at "host:port" within `timeout` seconds."""
+    """Whether something accepts TCP connections at "host:port" within `timeout` seconds.
+
+    Args:
+        address: "host:port".
+        timeout: Seconds to wait for the connection. Defaults to 1.
+
+    Example:
+
+    ```python
+    td.cluster.is_listening("127.0.0.1:2222", timeout=0.5)
+    ```
+    """
     host, _, port = address.rpartition(":")
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
@@ -585,7 +635,14 @@ def is_listening(address: str, timeout: float = 1.0) -> bool:
 
 
 def is_private_address(host: str) -> bool:
-    """Whether `host` is loopback or in a private range (where unauthenticated gRPC is ok)."""
+    """Whether `host` is loopback or in a private range (where unauthenticated gRPC is ok).
+
+    Example:
+
+    ```python
+    td.cluster.is_private_address("10.0.0.5")   # True
+    ```
+    """
     try:
         ip = ipaddress.ip_address(host.strip("[]"))
     except ValueError:

@@ -73,6 +73,11 @@ def env_seconds(name: str, default: float | None,
 
     "inf" (or "0" for "no limit") gives `math.inf`; unset or empty gives `default`.
 
+    Args:
+        name: The variable's name.
+        default: What an unset or empty variable gives.
+        environ: The environment to read. Defaults to `os.environ`.
+
     Raises:
         ValueError: the value is not a number >= 0; the message names the variable.
     """
@@ -93,6 +98,11 @@ def env_int(name: str, default: int | None,
             environ: Mapping[str, str] | None = None) -> int | None:
     """An integer >= 0 from the environment variable `name`; unset gives `default`.
 
+    Args:
+        name: The variable's name.
+        default: What an unset or empty variable gives.
+        environ: The environment to read. Defaults to `os.environ`.
+
     Raises:
         ValueError: the value is not an integer >= 0; the message names the variable.
     """
@@ -105,15 +115,27 @@ def env_int(name: str, default: int | None,
 
 
 def worker_index(environ: Mapping[str, str] | None = None) -> int | None:
-    """This worker's index as the launcher numbered it, or None outside a launch."""
+    """This worker's index as the launcher numbered it, or None outside a launch.
+
+    Args:
+        environ: The environment to read. Defaults to `os.environ`.
+    """
     return env_int(ENV_WORKER_INDEX, None, environ)
 
 
 def num_workers(environ: Mapping[str, str] | None = None) -> int | None:
-    """How many workers this attempt runs, or None outside a launch."""
+    """How many workers this attempt runs, or None outside a launch.
+
+    Args:
+        environ: The environment to read. Defaults to `os.environ`.
+    """
     return env_int(ENV_NUM_WORKERS, None, environ)
 
 
 def attempt(environ: Mapping[str, str] | None = None) -> int:
-    """0 on the first start of the group, 1 after the first restart, ... (0 outside a launch)."""
+    """0 on the first start of the group, 1 after the first restart, ... (0 outside a launch).
+
+    Args:
+        environ: The environment to read. Defaults to `os.environ`.
+    """
     return env_int(ENV_ATTEMPT, 0, environ)

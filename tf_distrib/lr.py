@@ -35,6 +35,12 @@ def scale_learning_rate(base_lr: float, base_batch: int, global_batch: int,
 
     Returns:
         The scaled learning rate.
+
+    Example:
+
+    ```python
+    lr = td.lr.scale_learning_rate(0.1, base_batch=256, global_batch=1024)   # 0.4
+    ```
     """
     if rule not in SCALING_RULES:
         raise ValueError(f"rule must be one of {SCALING_RULES}, got {rule!r}.")

@@ -62,6 +62,11 @@ class PipelineModel(keras.Model):
     averaged and whose gradients are summed before one optimizer update: the same
     update as one big batch. TensorFlow runs micro-batch m+1 on stage k while
     micro-batch m is on stage k+1, since nothing orders them.
+
+    Args:
+        stages: One `keras.Sequential` per device.
+        devices: The devices, stage k's on `devices[k]`.
+        num_microbatches: Micro-batches per step. Defaults to 1.
     """
 
     def __init__(self, stages: list[keras.Sequential], devices: list[str],
@@ -137,6 +142,14 @@ def pipeline(model: keras.Sequential | list[list[keras.layers.Layer]], devices: 
         ValueError: more stages than layers, an unknown device, a model that is not
             Sequential or not built, a bad `num_microbatches`.
         TypeError: a layer that cannot be re-created on its device (no `get_config`).
+
+    Example:
+
+    ```python
+    split = td.model_parallel.pipeline(model, ["/gpu:0", "/gpu:1"], num_microbatches=4)
+    split.compile(optimizer="adam", loss="mse")
+    split.fit(x, y, epochs=3)
+    ```
     """
     check_int("num_microbatches", num_microbatches)
     devices = _check_devices(devices)

@@ -25,6 +25,11 @@ def is_chief(strategy: tf.distribute.Strategy | None = None) -> bool:
 def chief_verbose(verbose="auto", strategy: tf.distribute.Strategy | None = None):
     """`verbose` on the chief, 0 on the other workers: one progress bar per run.
 
+    Args:
+        verbose: Keras' `verbose` for the chief. Defaults to "auto".
+        strategy: The strategy whose cluster says who the chief is. Defaults to None:
+            the current one.
+
     Example:
 
     ```python

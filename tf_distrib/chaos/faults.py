@@ -59,6 +59,10 @@ def draw(rng: random.Random, kinds=FAULT_KINDS) -> list[Fault]:
     Faults that end an attempt take attempts 0, 1, ... in turn, within its first 64
     (attempt 0) or 20 trained steps, so that each finds the steps to strike in; a full
     disk strikes in the attempt after them, which runs to the end.
+
+    Args:
+        rng: The generator to draw with (seeded: the same seed, the same faults).
+        kinds: The kinds to draw from. Defaults to `FAULT_KINDS`.
     """
     chosen = rng.sample(list(kinds), rng.choice([1, 2]) if len(kinds) > 1 else 1)
     faults, attempt = [], 0

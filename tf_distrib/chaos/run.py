@@ -112,7 +112,13 @@ def run(trials: int, seed: int = 0, workdir: str | None = None, kinds=None,
 
 def run_trials(plans: list[list[Fault]], workdir: str | None = None,
                echo=print) -> list[TrialResult]:
-    """Runs the reference, then one trial per list of faults in `plans`."""
+    """Runs the reference, then one trial per list of faults in `plans`.
+
+    Args:
+        plans: One list of faults per trial (`draw`).
+        workdir: Where backups and logs go. Defaults to None: a temporary directory.
+        echo: Called with one line per finished trial. Defaults to `print`.
+    """
     with contextlib.ExitStack() as stack:
         if workdir is None:
             workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="tf_distrib_chaos_"))
@@ -180,7 +186,11 @@ def _restorable(backup_dir: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`tf-distrib chaos`: runs the trials, prints a line per trial and the table."""
+    """`tf-distrib chaos`: runs the trials, prints a line per trial and the table.
+
+    Args:
+        argv: The command line's arguments. Defaults to None: `sys.argv[1:]`.
+    """
     parser = argparse.ArgumentParser(prog="tf-distrib chaos", description=__doc__)
     parser.add_argument("--trials", type=int, default=20, help="how many trials (default 20)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the draw of faults")

@@ -116,6 +116,13 @@ class CompressedAllReduce(_LocalReduce):
         dtype: "bfloat16" or "float16" (or a `Compressor`). Defaults to "bfloat16".
         inner: The op that reduces the compressed values. Defaults to None: NCCL on
             GPUs, `ReductionToOneDevice` on CPUs.
+
+    Example:
+
+    ```python
+    strategy = tf.distribute.MirroredStrategy(
+        cross_device_ops=td.cross_device.CompressedAllReduce("bfloat16"))
+    ```
     """
 
     def __init__(self, dtype: str | Compressor = "bfloat16",
@@ -161,6 +168,13 @@ class BucketedAllReduce(_LocalReduce):
         bucket_bytes: Largest bucket in bytes. Defaults to 25 MiB (PyTorch DDP's).
         inner: The op that reduces the buckets. Defaults to None: NCCL on GPUs,
             `ReductionToOneDevice` on CPUs.
+
+    Example:
+
+    ```python
+    strategy = tf.distribute.MirroredStrategy(
+        cross_device_ops=td.cross_device.BucketedAllReduce(bucket_bytes=4 << 20))
+    ```
     """
 
     def __init__(self, bucket_bytes: int = bucketing.DEFAULT_BUCKET_BYTES,
@@ -203,6 +217,17 @@ class RingAllReduce(_LocalReduce):
     device sends and receives 2(N-1)/N of the value, the bandwidth-optimal volume.
     Combine with `BucketedAllReduce` for many small tensors. `IndexedSlices` are
     all-gathered (their indices and values concatenated on every device).
+
+    Args:
+        inner: The op for what this one does not reduce. Defaults to None: NCCL on
+            GPUs, `ReductionToOneDevice` on CPUs.
+
+    Example:
+
+    ```python
+    ops = td.cross_device.BucketedAllReduce(inner=td.cross_device.RingAllReduce())
+    strategy = tf.distribute.MirroredStrategy(cross_device_ops=ops)
+    ```
     """
 
     def _handles(self, value) -> bool:

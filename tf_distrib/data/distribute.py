@@ -70,6 +70,15 @@ def shard_files(files: str | Sequence[str], input_context: tf.distribute.InputCo
 
     Returns:
         An unbatched `tf.data.Dataset`.
+
+    Example:
+
+    ```python
+    def dataset_fn(context):
+        return td.data.shard_files("data/train-*.tfrecord", context).map(parse)
+
+    dist = td.data.distribute_dataset(strategy, dataset_fn, global_batch_size=256)
+    ```
     """
     files = _resolve_files(files)
     pipelines, index = input_context.num_input_pipelines, input_context.input_pipeline_id
@@ -89,6 +98,13 @@ class TFDSSource:
     """A TFDS split read offline, split evenly between input pipelines.
 
     Create it with `tfds_source`.
+
+    Example:
+
+    ```python
+    source = td.data.tfds_source("mnist")   # a TFDSSource
+    print(source.num_examples)
+    ```
     """
 
     name: str
@@ -125,6 +141,13 @@ def tfds_source(name: str, split: str = "train", *, data_dir: str | None = None,
         split: The split. Defaults to "train".
         data_dir: TFDS data directory. Defaults to None (TFDS' default).
         as_supervised: Yield (features, label) pairs. Defaults to True.
+
+    Example:
+
+    ```python
+    source = td.data.tfds_source("mnist", split="train", data_dir="/data/tfds")
+    dist = td.data.distribute_dataset(strategy, source, global_batch_size=256)
+    ```
     """
     return TFDSSource(name, split, data_dir, as_supervised)
 
@@ -302,6 +325,12 @@ def set_epoch(epoch: int) -> None:
 
     Args:
         epoch: The epoch that starts, >= 0.
+
+    Example:
+
+    ```python
+    td.data.set_epoch(3)   # the next epoch reads epoch 3's order (BackupAndRestore does this)
+    ```
     """
     check_int("epoch", epoch, minimum=0)
     for order in list(_EpochOrder.live):

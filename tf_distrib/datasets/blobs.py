@@ -24,7 +24,15 @@ NUM_CLASSES = 4
 
 
 def make_data(num_examples: int = NUM_EXAMPLES, seed: int = 0):
-    """A generated 4-class problem: Gaussian blobs in 16 dimensions (numpy arrays)."""
+    """A generated 4-class problem: Gaussian blobs in 16 dimensions (numpy arrays).
+
+    Args:
+        num_examples: How many examples. Defaults to `NUM_EXAMPLES`.
+        seed: The generator's seed; the same seed gives the same data. Defaults to 0.
+
+    Returns:
+        (x, y): float32 features of shape (num_examples, 16) and int32 labels 0-3.
+    """
     import numpy as np
 
     rng = np.random.default_rng(seed)

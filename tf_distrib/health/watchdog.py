@@ -50,13 +50,20 @@ class Watchdog:
         timeout: Seconds without a finished step (after the first one).
         progress: Returns how many steps have finished so far.
         transport: The worker's `tf_distrib.transport.Transport` (or anything with its
-            `mode`, `recent()` and `waiting_for()`), for the report.
+            `mode`, `recent()` and `waiting_for()`), for the report. Defaults to None.
         report_dir: Where to write the report. Defaults to None: the launcher's
             TF_DISTRIB_REPORT_DIR, else nowhere (the summary goes to stderr anyway).
         key: The coordination-service key through which workers tell each other
-            that one fired (None: no peers to tell).
+            that one fired. Defaults to None: no peers to tell.
         exit: Called with the exit status once the report is written. Defaults to
             `os._exit` (the process is stuck; nothing else would end it).
+
+    Example:
+
+    ```python
+    strategy = td.make_strategy(hang_timeout=300)   # starts one per MWMS worker
+    print(strategy.watchdog)
+    ```
     """
 
     def __init__(self, task: str, timeout: float, progress: Callable[[], int], *,

@@ -122,6 +122,14 @@ def make_trainer(train_fn: Callable, *, num_workers: int | tuple[int, int] = 2,
 
     Returns:
         The trainer; `trainer.fit()` runs it and raises if the run fails.
+
+    Example:
+
+    ```python
+    trainer = td_ray.make_trainer(train, num_workers=2, max_failures=1,
+                                  storage_path="/shared/runs", config={"epochs": 3})
+    result = trainer.fit()
+    ```
     """
     if not callable(train_fn):
         raise TypeError(f"train_fn must be callable, got {type(train_fn).__name__}.")

@@ -54,6 +54,13 @@ class WorkerResult:
         output: The last lines it printed (stdout and stderr, in arrival order).
         value: What a function target returned; None for scripts.
         log_path: The file with everything it printed. Defaults to None.
+
+    Example:
+
+    ```python
+    for worker in result.workers:
+        print(worker.index, worker.status, worker.log_path)
+    ```
     """
 
     index: int
@@ -84,6 +91,13 @@ class Attempt:
         planned: The launcher stopped the attempt itself, so that dropped slots or
             late hosts could rejoin (an elastic launch growing back).
         seconds: How long the attempt ran, from start to the last worker's exit.
+
+    Example:
+
+    ```python
+    for attempt in result.attempts:
+        print(attempt.number, attempt.failure, attempt.stopped_first)
+    ```
     """
 
     number: int
@@ -105,6 +119,14 @@ class LaunchResult:
             exit status (128 + signal number for signals), or 128 + N when the
             launcher itself got signal N.
         attempts: Every attempt, in order.
+
+    Example:
+
+    ```python
+    result = td.launch.launch(train, num_workers=2, max_restarts=1)
+    if result.exit_code:
+        print(result.failure_report())
+    ```
     """
 
     exit_code: int

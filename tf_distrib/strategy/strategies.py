@@ -109,6 +109,16 @@ class KerasMultiWorkerMirroredStrategy(_HostInput,
             (`make_strategy(transport=...)`).
         watchdog: The `tf_distrib.health.watchdog.Watchdog` that stops this worker when its
             steps stop (`make_strategy(hang_timeout=...)`), or None.
+
+    Example:
+
+    ```python
+    strategy = td.make_strategy()   # under TF_CONFIG with 2+ workers: this class
+    with strategy.scope():
+        model = build_model()
+        model.compile(optimizer="adam", loss="mse")
+    model.fit(dataset, epochs=3)
+    ```
     """
 
     transport = None
@@ -167,6 +177,19 @@ class HostMirroredStrategy(_HostInput, tf.distribute.MirroredStrategy):
     share one memory) unless the caller passes its own `InputOptions` and keep glibc's
     mmap threshold (`tf_distrib.strategy._malloc`); those of datasets given to `fit` are torn
     down off the training thread.
+
+    Args:
+        devices: The CPU devices, as `tf.distribute.MirroredStrategy` takes them.
+            Defaults to None: every visible device.
+        cross_device_ops: As `tf.distribute.MirroredStrategy`'s. Defaults to None:
+            `make_strategy()` passes `ReductionToOneDevice`.
+
+    Example:
+
+    ```python
+    td.use_logical_cpus(2)
+    strategy = td.make_strategy()   # two CPU replicas: a HostMirroredStrategy
+    ```
     """
 
 

@@ -26,7 +26,17 @@ __all__ = ["run_workers", "WorkersFailed", "SimulatedHosts"]
 
 
 class WorkersFailed(RuntimeError):
-    """A worker of `run_workers` failed; the message has its status and last lines."""
+    """A worker of `run_workers` failed; the message has its status and last lines.
+
+    Example:
+
+    ```python
+    try:
+        run_workers(train, 2)
+    except WorkersFailed as e:
+        print(e.workers[0].exit_code)
+    ```
+    """
 
     def __init__(self, message: str, workers: list[WorkerResult]):
         super().__init__(message)
@@ -54,6 +64,16 @@ def run_workers(target: str | Callable, num_workers: int = 2, *, args: Sequence 
 
     Returns:
         One `WorkerResult` per worker (index, exit_code, output, value).
+
+    Example:
+
+    ```python
+    def train():
+        import tf_distrib as td
+        return td.make_strategy().num_replicas_in_sync
+
+    assert [w.value for w in run_workers(train, 2, quiet=True)] == [2, 2]
+    ```
     """
     options.setdefault("timeout", 300.0)
     result = launch(target, num_workers, args=args, kwargs=kwargs, **options)

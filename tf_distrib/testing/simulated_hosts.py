@@ -62,6 +62,14 @@ class SimulatedHosts:
     Raises:
         RuntimeError: simulated hosts cannot be made here (`unavailable()` says why).
         ValueError: bad `n` or `rate`.
+
+    Example:
+
+    ```python
+    with SimulatedHosts(2, rate="10gbit") as hosts:
+        hosts.run(0, ["tf-distrib", "launch", "--hosts", ",".join(hosts.addresses),
+                      "--host-index", "0", "train.py"])
+    ```
     """
 
     def __init__(self, n: int, rate: str | None = "10gbit"):

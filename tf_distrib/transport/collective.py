@@ -374,13 +374,23 @@ def connect(rank: int, tasks: list[str], host: str, store: Store, *,
             more than one each; else TCP), "tcp" or "shm". Defaults to "auto".
         timeout: Seconds for every worker to publish and connect. Defaults to 120.
         peer_timeout: Seconds of silence after which a peer counts as lost. Defaults to 30.
-        prefix: Store key prefix, unique per transport within the job.
+        prefix: Store key prefix, unique per transport within the job. Defaults to
+            "tf_distrib/transport".
         shm_directory: Where the shared-memory segment is made. Defaults to "/dev/shm".
 
     Raises:
         TransportUnavailable: a worker cannot listen (all workers raise it together).
         TransportError: the workers did not connect, or "shm" was asked for but is
             not possible; the message says why.
+
+    Example:
+
+    ```python
+    t = transport.connect(rank, ["worker:0", "worker:1"], "10.0.0.5",
+                          transport.FileStore("/shared/rendezvous"), secret=b"...")
+    [total] = t.all_reduce([np.ones(1000, np.float32)])
+    t.close()
+    ```
     """
     if mode not in ("auto", "tcp", "shm"):
         raise ValueError(f"mode must be 'auto', 'tcp' or 'shm', got {mode!r}.")

@@ -4,8 +4,8 @@ A frame is a 24-byte header, then `length` bytes of payload:
 
     magic "TFDT" | version u8 | kind u8 | part u16 | seq u64 | length u64   (network order)
 
-A receiver accepts only the frame it expects (`seq` the collective, `part` the chunk),
-so a malformed or out-of-order frame raises `ProtocolError`. Handshake (connecting C, accepting A, the job's secret S):
+A receiver accepts only the frame it expects (`seq` the collective, `part` the chunk), so
+a malformed frame raises `ProtocolError`. Handshake (connecting C, accepting A, secret S):
 
     C -> A  HELLO      rank_C, nonce_C
     A -> C  CHALLENGE  nonce_A, HMAC(S, "acceptor" | ranks | nonce_C | nonce_A)

@@ -45,6 +45,10 @@ ENV_MMAP_THRESHOLD = "TF_DISTRIB_MMAP_THRESHOLD"
 ENV_NATIVE_SUM = "TF_DISTRIB_NATIVE_SUM"
 #: Where the native op's builds (and remembered failed builds) live.
 ENV_CACHE_DIR = "TF_DISTRIB_CACHE_DIR"
+#: Where each worker writes its status for `tf-distrib top` (the launcher's log dir).
+ENV_STATUS_DIR = "TF_DISTRIB_STATUS_DIR"
+#: Where each worker writes its part of the launch's timeline (`--timeline`).
+ENV_TIMELINE_DIR = "TF_DISTRIB_TIMELINE_DIR"
 
 #: A worker saved a backup on SIGTERM (preemption) and exited; its peers save at the
 #: same step and exit on their own. Restart the group: it resumes from that step.
@@ -112,6 +116,19 @@ def env_int(name: str, default: int | None,
     if not value.isdigit():
         raise ValueError(f"{name}={value!r} is not an integer >= 0. Fix or unset the variable.")
     return int(value)
+
+
+def cache_dir(environ: Mapping[str, str] | None = None) -> str:
+    """tf_distrib's per-user cache: TF_DISTRIB_CACHE_DIR, else $XDG_CACHE_HOME/tf_distrib.
+
+    The native op's builds and the running launches' registry live there.
+
+    Args:
+        environ: The environment to read. Defaults to `os.environ`.
+    """
+    env = os.environ if environ is None else environ
+    return env.get(ENV_CACHE_DIR) or os.path.join(
+        env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tf_distrib")
 
 
 def worker_index(environ: Mapping[str, str] | None = None) -> int | None:

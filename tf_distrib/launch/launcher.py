@@ -216,9 +216,9 @@ def launch(target: str | Sequence[str] | Callable, num_workers: int | None = Non
     """
     if num_workers is not None:
         overrides["num_workers"] = num_workers
-    if overrides.get("env") is not None:
-        overrides["env"] = dict(overrides["env"])
-    if "hosts" in overrides and overrides["hosts"] is not None:
+    if "env" in overrides:  # any mapping, None for none
+        overrides["env"] = dict(overrides["env"] or {})
+    if overrides.get("hosts") is not None:  # any sequence
         overrides["hosts"] = list(overrides["hosts"])
     config = with_overrides(config, overrides)
     stdout, stderr = (None, None) if config.quiet else (sys.stdout, sys.stderr)

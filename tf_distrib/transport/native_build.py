@@ -33,12 +33,6 @@ class BuildFailed(OSError):
     """The op cannot be built here; the message names the cause and the fix."""
 
 
-def cache_dir() -> str:
-    """Where builds and remembered failures live: TF_DISTRIB_CACHE_DIR, else the user's cache."""
-    return os.environ.get(contract.ENV_CACHE_DIR) or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tf_distrib")
-
-
 def compiler() -> str | None:
     """The C++ compiler that builds the op (`$CXX`, default `c++`), or None if missing."""
     return shutil.which(os.environ.get("CXX", "c++"))
@@ -65,7 +59,7 @@ def library_path(flags: list[str], tf_version: str, *, rebuild: bool = False) ->
         raise BuildFailed(f"no C++ compiler: {os.environ.get('CXX', 'c++')} is not on PATH; "
                           "install g++ or point CXX at a C++ compiler")
     flags = [*CXXFLAGS, *flags]
-    path = os.path.join(cache_dir(), f"native_sum-{_key(cxx, flags, tf_version)}.so")
+    path = os.path.join(contract.cache_dir(), f"native_sum-{_key(cxx, flags, tf_version)}.so")
     failed = path + ".failed"
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -5,8 +5,7 @@ import inspect
 
 import pytest
 
-from tf_distrib.launch import LaunchConfig, LaunchError, launch
-from tf_distrib.launch import cli
+from tf_distrib.launch import LaunchConfig, LaunchError, cli, launch
 from tf_distrib.launch.config import FIELDS, with_overrides
 from tf_distrib.launch.job import load_job_file
 

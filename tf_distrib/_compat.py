@@ -189,6 +189,14 @@ def coordination_service():
     return ctx
 
 
+def op_determinism_enabled() -> bool:
+    """Whether `tf.config.experimental.enable_op_determinism()` is in force."""
+    from tensorflow.python.framework import config
+
+    return _require(config, "is_op_determinism_enabled", "step timing (input wait)",
+                    "tensorflow")()
+
+
 def in_multi_worker_mode(strategy) -> bool:
     """Whether `strategy` (a MultiWorkerMirroredStrategy) spans several workers."""
     return _require(strategy.extended, "_in_multi_worker_mode", "multi-worker detection",
@@ -304,6 +312,7 @@ _STATIC = [
     ("tensorflow", "tensorflow.python.eager.context", "context"),
     ("tensorflow", "tensorflow.python.data.ops.dataset_ops", "DatasetV2._inputs"),
     ("tensorflow", "tensorflow.python.framework.ops", "Operation._add_control_input"),
+    ("tensorflow", "tensorflow.python.framework.config", "is_op_determinism_enabled"),
     ("keras", "keras", "Model._symbolic_build"),
     ("keras", "keras", "Model._compute_loss"),
     ("keras", "keras", "optimizers.SGD.update_step"),

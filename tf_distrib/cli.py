@@ -1,4 +1,4 @@
-"""The `tf-distrib` command: launch, demo, bench."""
+"""The `tf-distrib` command: launch, top, demo, bench, doctor, chaos."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import sys
 
 _COMMANDS = {
     "launch": ("tf_distrib.launch.cli", "start N workers with TF_CONFIG, restart on failure"),
+    "top": ("tf_distrib.launch.top", "a live per-worker view of a running launch"),
     "demo": ("tf_distrib.demo", "2-worker MultiWorkerMirroredStrategy training demo"),
     "bench": ("tf_distrib.bench", "benchmarks against TensorFlow's built-ins"),
     "doctor": ("tf_distrib.doctor", "check versions, devices, cluster config and ports"),

@@ -27,6 +27,7 @@ BENCHMARKS = {
     "cluster": "tf_distrib.bench.cluster",
     "model_parallel": "tf_distrib.bench.model_parallel",
     "startup": "tf_distrib.bench.startup",
+    "monitoring": "tf_distrib.bench.monitoring",
     "gpu": "tf_distrib.bench.gpu",
 }
 

@@ -119,7 +119,7 @@ class Turns:
 
 def train_worker(strategy_args: dict | None, accumulation: int | None = None,
                  model: str = "mlp", data: str = "distribute_dataset",
-                 turns: Turns | None = None) -> dict:
+                 turns: Turns | None = None, monitoring_dir: str | None = None) -> dict:
     """One worker of the job (TF_CONFIG set, or alone), pinned to one core.
 
     Args:
@@ -131,6 +131,8 @@ def train_worker(strategy_args: dict | None, accumulation: int | None = None,
             Defaults to "distribute_dataset".
         turns: Take turns with the others (3 workers: `Turns`). Defaults to None: every
             worker trains 2 epochs at once and the second is measured.
+        monitoring_dir: Record every step (the launcher's status files, a `Timeline`
+            and `WorkerMetrics` writing here). Defaults to None: no step is recorded.
 
     Returns:
         {"examples_per_sec": the job's rate, "cpu_per_step": this worker's CPU seconds,
@@ -157,6 +159,8 @@ def train_worker(strategy_args: dict | None, accumulation: int | None = None,
             config["cluster"]["worker"] = config["cluster"]["worker"][:2]
             os.environ["TF_CONFIG"] = json.dumps(config)
             os.environ["TF_DISTRIB_NUM_WORKERS"] = "2"
+    if monitoring_dir is None:  # the launcher's status files, which record every step
+        os.environ.pop("TF_DISTRIB_STATUS_DIR", None)
     if strategy_args is None:  # alone, with TensorFlow's defaults
         del os.environ["TF_CONFIG"]
         strategy, workers = tf.distribute.get_strategy(), 1
@@ -200,8 +204,11 @@ def train_worker(strategy_args: dict | None, accumulation: int | None = None,
 
     cpu = CpuPerStep()
     epochs = 2 if turns is None else turns.pairs + 1 + (index == 2)
+    watching = [] if monitoring_dir is None else [
+        td.callbacks.Timeline(os.path.join(monitoring_dir, "trace.json")),
+        td.callbacks.WorkerMetrics(os.path.join(monitoring_dir, "tensorboard"))]
     history = net.fit(fit_data, epochs=epochs, steps_per_epoch=steps, verbose=0,
-                      callbacks=[cpu, td.callbacks.Throughput(global_batch)])
+                      callbacks=[cpu, td.callbacks.Throughput(global_batch), *watching])
     rates = history.history["examples_per_sec"]
     busy = history.history.get("busy_time")  # only with tf_distrib's transport
     collectives = ([global_batch / r - b for r, b in zip(rates, busy, strict=True)]

@@ -17,7 +17,7 @@ from tf_distrib.callbacks.backup_store import BackupStore
 from tf_distrib.callbacks.host_snapshot import HostSnapshot
 from tf_distrib.callbacks.preemption import PreemptionWatcher
 from tf_distrib.contract import PREEMPTED_EXIT_CODE
-from tf_distrib.health import phases, watchdog
+from tf_distrib.health import phases, steps, watchdog
 
 
 class BackupAndRestore(keras.callbacks.Callback):
@@ -286,6 +286,15 @@ class BackupAndRestore(keras.callbacks.Callback):
                 and epoch + 1 == self.params.get("epochs"))
 
     def _save(self):
+        began = time.time()
+        try:
+            self._take_backup()
+        finally:
+            recorder = steps.recorder_of(self.model.distribute_strategy)
+            if recorder is not None:  # what training waited for, on the step timeline
+                recorder.add_span("backup", "backup", began, time.time(), blocked=True)
+
+    def _take_backup(self):
         self._save_due = False
         if self._global_step == self._saved_step:  # batch end and epoch end of one step
             return
@@ -327,7 +336,11 @@ class BackupAndRestore(keras.callbacks.Callback):
                           "disappeared since the last backup (deleted, or its file system "
                           "unmounted), with the backups in it; making it again.",
                           RuntimeWarning, stacklevel=1)
+        began = time.time()
         self._store.write(step, arrays, metadata)
+        recorder = steps.recorder_of(self.model.distribute_strategy)
+        if recorder is not None:
+            recorder.add_span(f"writing the backup of step {step}", "backup", began, time.time())
 
     def _finish_job(self) -> float:
         """Waits for the writer's job, a save at most until its `save_timeout`.

@@ -63,6 +63,9 @@ class LaunchConfig:
         preload: Fork workers and restarts from a process that has already imported
             TensorFlow (`tf_distrib.launch.forkserver`). Defaults to None:
             TF_DISTRIB_PRELOAD=1 turns it on.
+        timeline: Where to write, when the launch ends, the last steps of every worker
+            of its last attempt as one Chrome trace (`tf_distrib.health.timeline`).
+            Defaults to None: no timeline.
         quiet: Keep the workers' output in the results and log files only. Defaults
             to False.
 
@@ -113,6 +116,9 @@ class LaunchConfig:
         None, "fork workers (and restarts) from a process that has already imported "
               "TensorFlow and Keras: seconds faster per worker; not for scripts that set "
               "environment variables before importing TensorFlow (also TF_DISTRIB_PRELOAD=1)")
+    timeline: str | None = _option(
+        None, "when the launch ends, write the last steps of every worker here as a Chrome "
+              "trace (opens in Perfetto)")
     quiet: bool = _option(False, cli=False)
 
     def __post_init__(self):

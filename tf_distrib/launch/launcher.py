@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import glob
 import json
 import os
 import secrets
@@ -15,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tf_distrib import cluster as cluster_lib
+from tf_distrib import contract
 from tf_distrib.contract import (
     ENV_ATTEMPT,
     ENV_HANG_TIMEOUT,
@@ -28,8 +31,9 @@ from tf_distrib.contract import (
     HUNG_EXIT_CODE,
     PREEMPTED_EXIT_CODE,
 )
+from tf_distrib.health import timeline
 from tf_distrib.launch import console as console_lib
-from tf_distrib.launch import forkserver, membership, reports, targets
+from tf_distrib.launch import forkserver, membership, reports, targets, top
 from tf_distrib.launch import rendezvous as rendezvous_lib
 from tf_distrib.launch.config import LaunchConfig, with_overrides
 from tf_distrib.launch.liveness import Liveness
@@ -245,12 +249,47 @@ def launch(target: str | Sequence[str] | Callable, num_workers: int | None = Non
                 stop=stop, stdout=stdout, stderr=stderr)
             slots = membership.Slots(config.num_workers, config.fewest_workers,
                                      config.slot_failures, config.rejoin_interval)
-            return _attempts(group, slots, rendezvous, stderr)
+            with _JobFiles(config) as files:
+                files.result = _attempts(group, slots, rendezvous, stderr)
+                return files.result
+
+
+# Where the workers of a launch with a timeline write their parts, in its log directory.
+_TIMELINE_DIR = "timeline"
+
+
+class _JobFiles:
+    """What `tf-distrib top` and `--timeline` read: the launch's state, its registration,
+    and at its end the workers' timeline parts merged."""
+
+    def __init__(self, config: LaunchConfig):
+        self.config = config
+        self.result: LaunchResult | None = None
+
+    def __enter__(self):
+        self.registration = top.register(self.config.log_dir)
+        top.write_launch(self.config.log_dir, state="running", attempt=0, restarts=0)
+        return self
+
+    def __exit__(self, *exc):
+        result = self.result
+        top.write_launch(self.config.log_dir, state="finished",
+                         exit_code=None if result is None else result.exit_code,
+                         restarts=0 if result is None else result.restarts)
+        with contextlib.suppress(OSError):
+            os.unlink(self.registration)
+        if self.config.timeline:
+            directory = os.path.join(self.config.log_dir, _TIMELINE_DIR)
+            parts = sorted(glob.glob(os.path.join(directory, "worker-*.json")))
+            timeline.merge(parts, self.config.timeline)
 
 
 def _shared_env(config: LaunchConfig, reports_dir: str) -> dict[str, str]:
     """The variables every worker of every attempt gets, beyond its own TF_CONFIG."""
-    env = {ENV_REPORT_DIR: reports_dir, **config.env}
+    env = {ENV_REPORT_DIR: reports_dir,
+           contract.ENV_STATUS_DIR: os.path.join(config.log_dir, top.STATUS_DIR), **config.env}
+    if config.timeline:
+        env[contract.ENV_TIMELINE_DIR] = os.path.join(config.log_dir, _TIMELINE_DIR)
     if config.hang_timeout is not None:
         env[ENV_HANG_TIMEOUT] = str(config.hang_timeout)
     if ENV_SECRET not in os.environ and ENV_SECRET not in env and not config.hosts:
@@ -280,6 +319,8 @@ def _attempts(group: _Group, slots: membership.Slots, rendezvous: _Rendezvous,
             members = slots.active()
             rejoin_at = slots.rejoin_at()
             regrow = None if rejoin_at is None else (lambda t=rejoin_at: time.monotonic() >= t)
+        top.write_launch(group.config.log_dir, state="running", attempt=len(attempts),
+                         restarts=restarts)
         attempt = _run_attempt(group, len(attempts), members, regrow)
         attempts.append(attempt)
         if attempt.failure is None:

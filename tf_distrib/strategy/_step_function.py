@@ -1,25 +1,25 @@
 """Keras' train and test step functions under `make_strategy()`'s strategies, one step a
 call without the `tf.experimental.Optional` round trip.
 
-Keras 3's TensorFlow trainer wraps each step's logs in an Optional and, back in Python,
-asks it `has_value()` and then `get_value()`: two eager ops per step (0.22 ms of a small
-model's step on one core, 2-3% of the benchmark MLP's). With `steps_per_execution=1` the
-answer is always yes: the step calls `iterator.get_next()`, which raises OutOfRangeError
-at the end of the data (Keras' epoch iterator turns it into the end of the epoch)
-instead of returning an empty Optional. So for models under strategies that
-`make_strategy()` made, such a step returns its logs directly. Every other call (more
-steps per execution, eager runs, data that is not an iterator, other strategies) runs
-Keras' own function.
-
-Keras offers no hook for its step functions, so `_make_function` is replaced on the
-trainer class, once, and dispatches on the model's strategy.
+Keras 3 wraps each step's logs in an Optional and asks it `has_value()` and `get_value()`
+back in Python: two eager ops per step. With `steps_per_execution=1` the answer is always
+yes (the end of the data raises OutOfRangeError, which Keras' epoch iterator handles), so
+for models under `make_strategy()`'s strategies the step returns its logs directly; every
+other call runs Keras' own function. With a step recorder (`tf_distrib.health.steps`) the
+step also returns when its wait for the next batch began and ended, and its examples.
+Keras has no hook for its step functions: `_make_function` is replaced on the trainer
+class, once, and dispatches on the model's strategy.
 """
 
 from __future__ import annotations
 
+import time
+
+import numpy as np
 import tensorflow as tf
 
 from tf_distrib import _compat
+from tf_distrib.health import steps
 
 # Attribute of a strategy whose models take the direct step.
 _ATTRIBUTE = "_tf_distrib_direct_steps"
@@ -29,6 +29,16 @@ def mark(strategy: tf.distribute.Strategy) -> None:
     """Makes models compiled under `strategy` (one of `make_strategy()`'s) step directly."""
     _compat.patch_trainer("_make_function", _direct_steps, "the direct step function")
     setattr(strategy, _ATTRIBUTE, True)
+
+
+def _now() -> tf.Tensor:
+    """The wall-clock time when the op runs, in seconds (float64)."""
+    if _compat.op_determinism_enabled():
+        # TensorFlow refuses its Timestamp op under op determinism; a clock read in Python
+        # is allowed (and costs ~20 us more).
+        return tf.reshape(tf.numpy_function(lambda: np.float64(time.time()), [], tf.float64,
+                                            stateful=True), [])
+    return tf.timestamp()
 
 
 def _direct_steps(original):
@@ -53,11 +63,32 @@ def _direct_steps(original):
         def one_step_on_iterator(iterator):
             return one_step_on_data(iterator.get_next())
 
+        @tf.function(reduce_retracing=True)
+        @tf.autograph.experimental.do_not_convert
+        def timed_step_on_iterator(iterator):
+            # When the wait for the next batch began and ended, and this worker's examples.
+            began = _now()
+            with tf.control_dependencies([began]):
+                data = iterator.get_next()
+            with tf.control_dependencies(tf.nest.flatten(data, expand_composites=True)):
+                ended = _now()
+            examples = tf.add_n([tf.cast(tf.shape(tf.nest.flatten(local)[0])[0], tf.float64)
+                                 for local in self.distribute_strategy
+                                 .experimental_local_results(data)])
+            return one_step_on_data(data), tf.stack([began, ended, examples])
+
         def direct_function(iterator):
-            if self.steps_per_execution == 1 and isinstance(
+            if self.steps_per_execution != 1 or not isinstance(
                     iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+                return function(iterator)
+            recorder = steps.recorder_of(self.distribute_strategy)
+            if recorder is None:
                 return one_step_on_iterator(iterator)
-            return function(iterator)
+            recorder.begin()
+            logs, timing = timed_step_on_iterator(iterator)
+            began, ended, examples = timing.numpy().tolist()
+            recorder.end(ended - began, int(examples), (began, ended))
+            return logs
 
         return direct_function
 

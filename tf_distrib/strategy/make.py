@@ -17,7 +17,7 @@ from tf_distrib import contract, cross_device
 from tf_distrib import transport as transport_lib
 from tf_distrib.contract import ENV_STARTUP_TIMEOUT, STARTUP_TIMEOUT_EXIT_CODE
 from tf_distrib.cross_device import gradients
-from tf_distrib.health import phases
+from tf_distrib.health import phases, steps, timeline
 from tf_distrib.health import watchdog as watchdog_lib
 from tf_distrib.strategy import _step_function, optimizer_hooks
 from tf_distrib.strategy.strategies import (
@@ -222,6 +222,19 @@ def _mark(strategy, gradient_all_reduce=None) -> None:
     tf_distrib (`optimizer_hooks`, `_step_function`)."""
     optimizer_hooks.mark(strategy, gradient_all_reduce)
     _step_function.mark(strategy)
+    _record_steps(strategy)
+
+
+def _record_steps(strategy) -> None:
+    """Records the strategy's steps when the launcher asks: for `top`, for `--timeline`."""
+    timeline_dir = os.environ.get(contract.ENV_TIMELINE_DIR)
+    if not (os.environ.get(contract.ENV_STATUS_DIR) or timeline_dir):
+        return
+    recorder = steps.recorder_of(strategy, create=True)
+    if timeline_dir:
+        recorder.collecting = True
+        atexit.register(timeline.write_part, recorder,
+                        timeline.part_path(timeline_dir, recorder.worker))
 
 
 def _connect_transport(strategy, spec, mode, connect_timeout, communication_timeout, prefix):

@@ -73,6 +73,9 @@ class Stats:
     seconds: float = 0.0
     #: Collectives whose sums stayed in shared memory (each worker summed its part).
     in_place: int = 0
+    #: Of `seconds`, those spent waiting for a peer's part (shared memory's counters, the
+    #: native op's waits, TCP frames still in flight).
+    waited: float = 0.0
 
 
 class _Job:
@@ -148,6 +151,7 @@ class Transport:
         self._recorder: collections.deque[dict] = collections.deque(maxlen=RECORDED)
         self._started: dict[int, _Job] = {}
         self._stats = Stats()
+        self._python_waited = 0.0  # the Python path's waits already in `_stats`
         self.failure: TransportError | None = None
         #: The native op bound to the segment (`native_sum.NativeSum`; `connect` binds it
         #: when every worker can load it), or None.
@@ -173,6 +177,10 @@ class Transport:
         """What this transport has done, the native op's collectives included."""
         if self.native is not None:
             self.native.fold_stats(self._stats)
+        waited = (self._shm.waited if self._shm is not None else 0.0) + sum(
+            c.waited for c in self.mesh.connections.values())
+        self._stats.waited += waited - self._python_waited
+        self._python_waited = waited
         return self._stats
 
     @property

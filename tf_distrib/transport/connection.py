@@ -38,10 +38,10 @@ def _bytes(value) -> memoryview:
 class Request:
     """A frame to send or to receive; `Connection.wait` returns once it is done."""
 
-    __slots__ = ("key", "views", "done", "error")
+    __slots__ = ("key", "views", "done", "error", "incoming")
 
-    def __init__(self, key, views):
-        self.key, self.views = key, views
+    def __init__(self, key, views, incoming: bool = False):
+        self.key, self.views, self.incoming = key, views, incoming
         self.done = threading.Event()
         self.error: TransportError | None = None
 
@@ -72,6 +72,7 @@ class Connection:
         self._rsock.settimeout(self._interval)
         self.last_heard = time.monotonic()
         self.waiting = False  # inside wait(): the flight recorder shows whom we wait for
+        self.waited = 0.0  # seconds spent in wait() for frames from the peer
         self.failure: TransportError | None = None
         self._closing = False
         self._lock = threading.Condition()
@@ -116,7 +117,7 @@ class Connection:
 
     def post(self, kind: wire.Kind, seq: int, part: int, view) -> Request:
         """Asks the receiver thread to read the frame (kind, seq, part) into `view`."""
-        request = Request((kind, seq, part), [_bytes(view)])
+        request = Request((kind, seq, part), [_bytes(view)], incoming=True)
         with self._lock:
             if self.failure is not None:
                 request.error = self.failure
@@ -129,11 +130,14 @@ class Connection:
     def wait(self, request: Request) -> None:
         """Returns when `request` is done; raises if it failed or the peer is lost."""
         self.waiting = True
+        began = time.perf_counter()
         try:
             while not request.done.wait(self._interval):
                 self.check_alive()
         finally:
             self.waiting = False
+            if request.incoming:
+                self.waited += time.perf_counter() - began
         if request.error is not None:
             raise request.error
 

@@ -74,7 +74,7 @@ using ::tensorflow::Tensor;
 
 // The control block (int64 words in the worker's own memory, see native_sum.py).
 constexpr int kAbort = 0, kWaitingFor = 1, kNanoseconds = 2, kCollectives = 3, kBytes = 4,
-              kWakeFd = 5, kRecorded = 6;
+              kWakeFd = 5, kRecorded = 6, kWaitedNanoseconds = 7;
 constexpr int kMessageOffset = 64, kMessageBytes = 960;
 // The flight recorder: a ring of the last collectives, each (number, bytes, started,
 // ended: 0 until it succeeds), wall-clock nanoseconds, after the abort message.
@@ -591,6 +591,7 @@ class SharedSum : public OpKernel {
       }
     }
     Store(control_ + kWaitingFor, 0);
+    __atomic_add_fetch(control_ + kWaitedNanoseconds, Now() - began, __ATOMIC_RELAXED);
     return ::tensorflow::OkStatus();
   }
 

@@ -32,7 +32,9 @@ from tf_distrib.transport.errors import TransportError
 # flight recorder's ring (number, bytes, started, ended: wall-clock nanoseconds), then the
 # SGD steps' words: this process's tensors in each of the two update regions, the steps
 # that updated through a region, and those that found their variables there.
-_ABORT, _WAITING_FOR, _NANOSECONDS, _COLLECTIVES, _BYTES, _WAKE_FD, _RECORDED = range(7)
+_ABORT, _WAITING_FOR, _NANOSECONDS, _COLLECTIVES, _BYTES, _WAKE_FD, _RECORDED, _WAITED = range(8)
+# The words `fold_stats` adds to the transport's `Stats`.
+_STATS_WORDS = [_NANOSECONDS, _COLLECTIVES, _BYTES, _WAITED]
 _MESSAGE_OFFSET, _MESSAGE_BYTES = 64, 960
 _RECORDER_WORD, _RECORDER_ENTRIES, _ENTRY_WORDS = 128, 64, 4
 _HELD = _RECORDER_WORD + _RECORDER_ENTRIES * _ENTRY_WORDS
@@ -123,7 +125,7 @@ class NativeSum:
             line_bytes=shared_memory.LINE_BYTES, written=shared_memory.WRITTEN,
             summed=shared_memory.SUMMED, offered=shared_memory.OFFERED,
             update_regions=update_regions, region_bytes=region_bytes)
-        self._folded = np.zeros(3, np.int64)  # nanoseconds, collectives, bytes in `stats`
+        self._folded = np.zeros(len(_STATS_WORDS), np.int64)  # those already in `stats`
         self._watcher = threading.Thread(target=self._watch, daemon=True,
                                          name=f"tf_distrib-native-watch-{transport.rank}")
         self._watcher.start()
@@ -192,12 +194,13 @@ class NativeSum:
 
     def fold_stats(self, stats) -> None:
         """Adds the op's collectives since the last call to `stats` (a `Stats`)."""
-        now = self._control[_NANOSECONDS:_BYTES + 1].copy()
-        seconds, collectives, nbytes = (int(v) for v in now - self._folded)
+        now = self._control[_STATS_WORDS]
+        nanoseconds, collectives, nbytes, waited = (int(v) for v in now - self._folded)
         self._folded = now
-        stats.seconds += seconds / 1e9
+        stats.seconds += nanoseconds / 1e9
         stats.collectives += collectives
         stats.bytes += nbytes
+        stats.waited += waited / 1e9
 
     def close(self) -> None:
         """Stops the watcher; the op fails from now on, saying the transport is closed."""

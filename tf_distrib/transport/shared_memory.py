@@ -174,6 +174,7 @@ class SharedMemoryReducer:
     def __init__(self, mesh: Mesh, segment: SharedSegment):
         self.mesh, self.segment = mesh, segment
         self._chunks = 0  # chunks so far: chunk k uses slot generation k % 2
+        self.waited = 0.0  # seconds spent polling for peers' chunks
         self._polled = _ORDERED_STORES and segment.world <= MAX_POLLED_WORLD
         self._lines = ({r: segment.line(r) for r in range(segment.world)} if self._polled
                        else {})
@@ -412,6 +413,7 @@ class SharedMemoryReducer:
                     os.sched_yield()
         finally:
             connection.waiting = False
+            self.waited += time.perf_counter() - start
 
 
 def dtype_code(dtype: np.dtype) -> int:

@@ -3,17 +3,20 @@
 Three settings of the same job (`tf_distrib.bench.scaling.train_worker`: 2 workers pinned
 to a core each, the MLP through `distribute_dataset`), alternating in `ROUNDS` rounds:
 no step recording at all; the launcher's status files with a `Timeline` and a
-`WorkerMetrics` callback on every worker; and the same with `tf-distrib top --json`
-reading the job once a second. Each setting's rate is divided by the "off" rate of its
+`WorkerMetrics` callback on every worker; and the same with `tf-distrib top` attached,
+refreshing once a second. Each setting's rate is divided by the "off" rate of its
 own round; the figure is the median over rounds.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 import sys
 import threading
+
+from tf_distrib.launch import top
 
 ROUNDS = 5
 SETTINGS = ("off", "timeline + metrics", "timeline + metrics, top attached")
@@ -31,25 +34,31 @@ def _job(monitoring: bool, workdir: str) -> list:
     return result.values
 
 
-def _top_until(stop: threading.Event, log_dir: str) -> None:
-    while not stop.wait(1.0):
-        subprocess.run([sys.executable, "-m", "tf_distrib.cli", "top", log_dir, "--json"],
-                       capture_output=True, timeout=60)
-
-
 def _measure(setting: str, workdir: str) -> float:
-    stop = threading.Event()
-    watcher = None
-    if "top" in setting:
-        watcher = threading.Thread(target=_top_until, args=(stop, f"{workdir}/logs"))
-        watcher.start()
+    watchers: list[subprocess.Popen] = []
+    done = threading.Event()
+
+    def attach_top():  # as a user would: one live `top`, once the job is there
+        launch_file = os.path.join(workdir, "logs", top.LAUNCH_FILE)
+        while not done.wait(0.05):
+            if os.path.exists(launch_file):
+                watchers.append(subprocess.Popen(
+                    [sys.executable, "-m", "tf_distrib.cli", "top", f"{workdir}/logs"],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                return
+
+    attacher = threading.Thread(target=attach_top) if "top" in setting else None
+    if attacher is not None:
+        attacher.start()
     try:
-        values = _job(setting != "off", workdir)
+        return _job(setting != "off", workdir)[0]["examples_per_sec"]
     finally:
-        stop.set()
-        if watcher is not None:
-            watcher.join()
-    return values[0]["examples_per_sec"]
+        done.set()
+        if attacher is not None:
+            attacher.join()
+        for watcher in watchers:
+            watcher.kill()
+            watcher.wait()
 
 
 def run(options) -> dict:

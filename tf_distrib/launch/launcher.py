@@ -276,12 +276,21 @@ class _JobFiles:
         top.write_launch(self.config.log_dir, state="finished",
                          exit_code=None if result is None else result.exit_code,
                          restarts=0 if result is None else result.restarts)
-        with contextlib.suppress(OSError):
-            os.unlink(self.registration)
+        if self.registration is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.registration)
         if self.config.timeline:
             directory = os.path.join(self.config.log_dir, _TIMELINE_DIR)
             parts = sorted(glob.glob(os.path.join(directory, "worker-*.json")))
             timeline.merge(parts, self.config.timeline)
+
+
+def _starting(config: LaunchConfig, number: int, restarts: int) -> None:
+    """Says that attempt `number` starts (for `top`); drops the timeline parts of the last."""
+    top.write_launch(config.log_dir, state="running", attempt=number, restarts=restarts)
+    for part in glob.glob(os.path.join(config.log_dir, _TIMELINE_DIR, "worker-*.json")):
+        with contextlib.suppress(OSError):
+            os.unlink(part)
 
 
 def _shared_env(config: LaunchConfig, reports_dir: str) -> dict[str, str]:
@@ -319,8 +328,7 @@ def _attempts(group: _Group, slots: membership.Slots, rendezvous: _Rendezvous,
             members = slots.active()
             rejoin_at = slots.rejoin_at()
             regrow = None if rejoin_at is None else (lambda t=rejoin_at: time.monotonic() >= t)
-        top.write_launch(group.config.log_dir, state="running", attempt=len(attempts),
-                         restarts=restarts)
+        _starting(group.config, len(attempts), restarts)
         attempt = _run_attempt(group, len(attempts), members, regrow)
         attempts.append(attempt)
         if attempt.failure is None:

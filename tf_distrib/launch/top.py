@@ -11,6 +11,7 @@ workers nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -40,12 +41,20 @@ def jobs_dir() -> str:
     return os.path.join(contract.cache_dir(), "jobs")
 
 
-def register(log_dir: str) -> str:
-    """The launcher's side: records this launch's log directory for `top` to find."""
-    os.makedirs(jobs_dir(), exist_ok=True)
+def register(log_dir: str) -> str | None:
+    """The launcher's side: records this launch's log directory for `top` to find.
+
+    Returns:
+        The registration's path (the launcher removes it at its end), or None when the
+        jobs directory cannot be written: `top LOG_DIR` still works then.
+    """
     path = os.path.join(jobs_dir(), f"{os.getpid()}.json")
-    with open(path, "w") as f:
-        json.dump({"log_dir": os.path.abspath(log_dir), "pid": os.getpid()}, f)
+    try:
+        os.makedirs(jobs_dir(), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({"log_dir": os.path.abspath(log_dir), "pid": os.getpid()}, f)
+    except OSError:
+        return None
     return path
 
 
@@ -69,12 +78,15 @@ def newest_job() -> str:
     except OSError:
         names = []
     for name in names:
+        path = os.path.join(jobs_dir(), name)
         try:
-            with open(os.path.join(jobs_dir(), name)) as f:
+            with open(path) as f:
                 entry = json.load(f)
             os.kill(entry["pid"], 0)
-        except (OSError, ValueError, KeyError):
-            continue  # its launcher is gone
+        except (OSError, ValueError, KeyError, TypeError):
+            with contextlib.suppress(OSError):
+                os.unlink(path)  # its launcher is gone (killed before it could say so)
+            continue
         running.append((os.path.getmtime(os.path.join(jobs_dir(), name)), entry["log_dir"]))
     if not running:
         raise NoJob("no `tf-distrib launch` job of this user is running; give its log "

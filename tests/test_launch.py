@@ -18,9 +18,9 @@ from tf_distrib.launch import LaunchError, forkserver, launch
 pytestmark = pytest.mark.multiprocess
 
 LAUNCH = [sys.executable, "-m", "tf_distrib.launch"]
-# The command-line tests check the default start (a fresh interpreter per worker), which
-# the rest of the suite skips for speed (tests/conftest.py).
-CLI_ENV = {k: v for k, v in os.environ.items() if k != forkserver.ENV_PRELOAD}
+# The command-line tests start a fresh interpreter per worker, which the rest of the suite
+# skips for speed (tests/conftest.py); tests/test_preload.py checks the default's choice.
+CLI_ENV = {**os.environ, forkserver.ENV_PRELOAD: "0"}
 
 CRASH_ON_FIRST_ATTEMPT = """
 import os, sys

@@ -55,8 +55,9 @@ def _parser() -> argparse.ArgumentParser:
             help_text += f" (default {default:g})" if isinstance(default, float) \
                 else f" (default {default})"
         kind = field.type.split(" ")[0]  # the annotation's text: "float | None" -> "float"
-        if kind == "bool":
-            p.add_argument(*flags, dest=name, action="store_true", default=None, help=help_text)
+        if kind == "bool":  # "bool | None": None decides by itself, --no-... says no
+            action = argparse.BooleanOptionalAction if "None" in field.type else "store_true"
+            p.add_argument(*flags, dest=name, action=action, default=None, help=help_text)
         else:
             # -n takes "N" or "MIN:MAX"; --hosts a comma-separated list.
             convert = {"int": int, "float": float}.get(kind, str) \

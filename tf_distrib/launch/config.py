@@ -61,8 +61,10 @@ class LaunchConfig:
         verbose: Show every line of every worker, TensorFlow's start-up notices
             included. Defaults to False (or TF_DISTRIB_VERBOSE=1).
         preload: Fork workers and restarts from a process that has already imported
-            TensorFlow (`tf_distrib.launch.forkserver`). Defaults to None:
-            TF_DISTRIB_PRELOAD=1 turns it on.
+            TensorFlow (`tf_distrib.launch.forkserver`): seconds sooner each. Defaults to
+            None: TF_DISTRIB_PRELOAD (1 or 0) when set, else preloaded unless the target
+            sets TensorFlow's environment before importing it (`tf_distrib.launch.preload`,
+            and the launcher says so).
         timeline: Where to write, when the launch ends, the last steps of every worker
             of its last attempt as one Chrome trace (`tf_distrib.health.timeline`).
             Defaults to None: no timeline.
@@ -114,8 +116,8 @@ class LaunchConfig:
                "repeated lines included (also TF_DISTRIB_VERBOSE=1)")
     preload: bool | None = _option(
         None, "fork workers (and restarts) from a process that has already imported "
-              "TensorFlow and Keras: seconds faster per worker; not for scripts that set "
-              "environment variables before importing TensorFlow (also TF_DISTRIB_PRELOAD=1)")
+              "TensorFlow and Keras, seconds sooner each (default: unless the script sets "
+              "TensorFlow's environment before importing it; also TF_DISTRIB_PRELOAD=1/0)")
     timeline: str | None = _option(
         None, "when the launch ends, write the last steps of every worker here as a Chrome "
               "trace (opens in Perfetto)")

@@ -42,16 +42,11 @@ _HEADER = struct.Struct("!I")
 _REAP_SECONDS = 0.05
 
 
-def enabled(preload: bool | None) -> bool:
-    """`preload`, or TF_DISTRIB_PRELOAD=1 when it is None."""
-    return os.environ.get(ENV_PRELOAD) == "1" if preload is None else bool(preload)
-
-
 def check_supported() -> None:
     """Raises LaunchError where workers cannot be forked from a preloaded process."""
     if not sys.platform.startswith("linux"):
         raise LaunchError(f"preload forks workers and needs Linux; this is {sys.platform}. "
-                          f"Launch without preload (unset {ENV_PRELOAD}).")
+                          f"Launch without preload (--no-preload, or {ENV_PRELOAD}=0).")
 
 
 def _server_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -198,7 +193,7 @@ class ForkServer:
         self._stderr.seek(0)
         tail = self._stderr.read().decode("utf-8", "replace").strip().splitlines()[-lines:]
         return ("its last lines:\n" + "\n".join(tail) if tail else "it printed nothing") + (
-            f"\nLaunch without preload (unset {ENV_PRELOAD}) to see the workers fail "
+            f"\nLaunch without preload (--no-preload, or {ENV_PRELOAD}=0) to see the workers fail "
             "on their own.")
 
     def close(self, timeout: float = 10.0) -> None:

@@ -34,6 +34,7 @@ from tf_distrib.contract import (
 from tf_distrib.health import timeline
 from tf_distrib.launch import console as console_lib
 from tf_distrib.launch import forkserver, membership, reports, targets, top
+from tf_distrib.launch import preload as preload_lib
 from tf_distrib.launch import rendezvous as rendezvous_lib
 from tf_distrib.launch.config import LaunchConfig, with_overrides
 from tf_distrib.launch.liveness import Liveness
@@ -226,9 +227,7 @@ def launch(target: str | Sequence[str] | Callable, num_workers: int | None = Non
         overrides["hosts"] = list(overrides["hosts"])
     config = with_overrides(config, overrides)
     stdout, stderr = (None, None) if config.quiet else (sys.stdout, sys.stderr)
-    preload = forkserver.enabled(config.preload)
-    if preload:
-        forkserver.check_supported()
+    preload = _preloaded(config.preload, target, stderr)
     log_dir = config.log_dir or tempfile.mkdtemp(
         prefix=time.strftime("tf_distrib_logs_%Y%m%d-%H%M%S_"))
     os.makedirs(log_dir, exist_ok=True)
@@ -283,6 +282,23 @@ class _JobFiles:
             directory = os.path.join(self.config.log_dir, _TIMELINE_DIR)
             parts = sorted(glob.glob(os.path.join(directory, "worker-*.json")))
             timeline.merge(parts, self.config.timeline)
+
+
+def _preloaded(preload: bool | None, target, stderr) -> bool:
+    """Whether the workers are forked from a preloaded process: `preload`, else
+    TF_DISTRIB_PRELOAD (1 or 0), else whenever the target is safe to preload."""
+    if preload is None and os.environ.get(forkserver.ENV_PRELOAD) in ("0", "1"):
+        preload = os.environ[forkserver.ENV_PRELOAD] == "1"
+    if preload:
+        forkserver.check_supported()
+        return True
+    if preload is None:
+        reason = preload_lib.reason_not_to(target)
+        if reason is None:
+            return True
+        _say(stderr, f"workers start as fresh processes: {reason} (--preload forks them "
+                     "anyway)")
+    return False
 
 
 def _starting(config: LaunchConfig, number: int, restarts: int) -> None:

@@ -135,7 +135,7 @@ def render(rows: list[dict], log_dir: str) -> str:
     ms = lambda s: f"{(s or 0) * 1e3:7.1f}"  # noqa: E731
     lines = [f"tf-distrib top: {log_dir}  ({time.strftime('%H:%M:%S')}; times in ms per "
              "step, means of the last steps)",
-             f"{'worker':>6} {'phase':>10} {'step':>7} {'ex/s':>9} {'step':>7} {'compute':>7} "
+             f"{'worker':>6} {'phase':>10} {'step':>7} {'ex/s':>9} {'time':>7} {'compute':>7} "
              f"{'input':>7} {'exch':>7} {'peers':>7} {'backup':>7} {'cpu%':>5} {'rss MB':>7} "
              f"{'rst':>3}"]
     for r in rows:

@@ -52,7 +52,7 @@ def test_top_names_a_slow_input_pipeline_and_the_timeline_and_scalars_show_both(
     log_dir, trace = tmp_path / "logs", tmp_path / "trace.json"
     launcher = subprocess.Popen(
         [sys.executable, "-m", "tf_distrib.launch", "-n", "2", "--log-dir", str(log_dir),
-         "--timeline", str(trace), "--timeout", "240", str(script), str(tmp_path / "tb"), "2"],
+         "--timeline", str(trace), "--timeout", "240", str(script), str(tmp_path / "tb"), "1"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         rows = None

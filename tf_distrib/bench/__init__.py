@@ -28,6 +28,7 @@ BENCHMARKS = {
     "model_parallel": "tf_distrib.bench.model_parallel",
     "startup": "tf_distrib.bench.startup",
     "monitoring": "tf_distrib.bench.monitoring",
+    "recovery": "tf_distrib.bench.recovery",
     "gpu": "tf_distrib.bench.gpu",
 }
 

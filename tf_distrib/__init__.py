@@ -33,8 +33,9 @@ _EXPORTS = {
     "HostMirroredStrategy": "tf_distrib.strategy",
     "HostOneDeviceStrategy": "tf_distrib.strategy",
 }
-_SUBMODULES = ("callbacks", "chaos", "cluster", "cross_device", "data", "doctor",
-               "integrations", "launch", "lr", "model_parallel", "strategy", "testing")
+_SUBMODULES = ("callbacks", "chaos", "cluster", "contract", "cross_device", "data", "doctor",
+               "health", "integrations", "launch", "lr", "model_parallel", "strategy",
+               "testing")
 
 __all__ = ["__version__", *_EXPORTS, *_SUBMODULES]
 

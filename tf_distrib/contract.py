@@ -121,7 +121,7 @@ def env_int(name: str, default: int | None,
 def cache_dir(environ: Mapping[str, str] | None = None) -> str:
     """tf_distrib's per-user cache: TF_DISTRIB_CACHE_DIR, else $XDG_CACHE_HOME/tf_distrib.
 
-    The native op's builds and the running launches' registry live there.
+    The native op's builds live there.
 
     Args:
         environ: The environment to read. Defaults to `os.environ`.

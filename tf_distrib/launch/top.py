@@ -1,7 +1,7 @@
 """`tf-distrib top [LOG_DIR]`: a live view of a running `tf-distrib launch` job, per worker.
 
 The launcher writes `launch.json` (its state, attempts and restarts) into its log
-directory and registers itself in the user's jobs directory; each worker writes its
+directory and registers itself in `jobs_dir()`; each worker writes its
 status (`tf_distrib.health.steps`) into `status/` there about once a second. `top`
 reads both, from any terminal: one row per worker with its phase, step, examples/s,
 step time and its split, CPU and memory, the straggler marked. Reading files costs the
@@ -15,9 +15,9 @@ import contextlib
 import json
 import os
 import sys
+import tempfile
 import time
 
-from tf_distrib import contract
 from tf_distrib.health import steps
 
 #: A worker is the straggler when its own time per step (compute, input wait, backup)
@@ -37,8 +37,9 @@ class NoJob(Exception):
 
 
 def jobs_dir() -> str:
-    """Where launchers register their jobs: the user's tf_distrib cache, `jobs/`."""
-    return os.path.join(contract.cache_dir(), "jobs")
+    """Where running launches register: tf_distrib-jobs-UID in the temporary directory
+    (volatile state, like the launches' default log directories beside it)."""
+    return os.path.join(tempfile.gettempdir(), f"tf_distrib-jobs-{os.getuid()}")
 
 
 def register(log_dir: str) -> str | None:

@@ -1,4 +1,4 @@
-"""WorkerMetrics: every worker's step time, its split and throughput, as TensorBoard runs."""
+"""WorkerMetrics: every worker's step time, its split and throughput, one TensorBoard run each."""
 
 from __future__ import annotations
 

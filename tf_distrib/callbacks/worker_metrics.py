@@ -1,4 +1,4 @@
-"""WorkerMetrics: every worker's step time, its split and throughput, one TensorBoard run each."""
+"""WorkerMetrics: every worker's step time, its split and throughput, in TensorBoard per worker."""
 
 from __future__ import annotations
 

@@ -68,7 +68,7 @@ def write_launch(log_dir: str, **state) -> None:
 
 
 def newest_job() -> str:
-    """The log directory of this user's newest running launch.
+    """The log directory of the newest launch of this user that is still going.
 
     Raises:
         NoJob: no launch of this user is running.

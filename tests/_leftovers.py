@@ -82,8 +82,11 @@ def collect(tmpdir: str, since: float, grace: float = 10.0) -> list[str]:
             os.kill(pid, signal.SIGKILL)
     for path in segments(since):
         left.append(f"shared-memory segment {path}")
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+        if os.path.isdir(path):  # a launch's in-memory snapshots
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
     # Another program's simulated hosts are its own business; this session's open ones
     # close when it exits (atexit), those of its dead processes are removed here.
     stale = simulated_hosts.remove_stale()

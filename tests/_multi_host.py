@@ -1,14 +1,16 @@
 """The job the simulated-host tests run on every host: `python tests/_multi_host.py OUT ...`.
 
 Trains a small classifier under `make_strategy()` and writes its final weights to
-OUT/weights-<worker index>.npz (the hosts share this machine's file system).
+OUT/weights-<worker index>.npz (the hosts share this machine's file system); with
+`--progress`, each worker's newest finished step to OUT/progress-<worker index>.
 """
 
 import argparse
 import os
 
 
-def train(epochs=2, backup_dir=None, communication_timeout=None, bucket_bytes=None, seed=1):
+def train(epochs=2, backup_dir=None, communication_timeout=None, bucket_bytes=None, seed=1,
+          snapshot_freq="auto", progress=None):
     import keras
     import tensorflow as tf
 
@@ -30,7 +32,16 @@ def train(epochs=2, backup_dir=None, communication_timeout=None, bucket_bytes=No
     callbacks = []
     if backup_dir:
         callbacks.append(td.callbacks.BackupAndRestore(backup_dir, save_freq=10,
-                                                       delete_checkpoint=False, verbose=1))
+                                                       delete_checkpoint=False, verbose=1,
+                                                       snapshot_freq=snapshot_freq))
+    if progress:
+        class Progress(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                with open(f"{progress}.tmp", "w") as f:
+                    f.write(str(int(self.model.optimizer.iterations.numpy())))
+                os.replace(f"{progress}.tmp", progress)
+
+        callbacks.append(Progress())
     model.fit(dataset, epochs=epochs, verbose=0, callbacks=callbacks)
     transport = getattr(strategy, "transport", None)
     return [w.numpy() for w in model.weights], transport and transport.mode
@@ -45,10 +56,14 @@ def main():
     parser.add_argument("--backup-dir")
     parser.add_argument("--communication-timeout", type=float)
     parser.add_argument("--bucket-bytes", type=int)
+    parser.add_argument("--snapshot-freq", type=int)
+    parser.add_argument("--progress", action="store_true")
     args = parser.parse_args()
-    weights, mode = train(args.epochs, args.backup_dir, args.communication_timeout,
-                          args.bucket_bytes)
     index = os.environ.get("TF_DISTRIB_WORKER_INDEX", "single")
+    weights, mode = train(args.epochs, args.backup_dir, args.communication_timeout,
+                          args.bucket_bytes, snapshot_freq=args.snapshot_freq or "auto",
+                          progress=args.progress and os.path.join(args.out,
+                                                                  f"progress-{index}"))
     np.savez(os.path.join(args.out, f"weights-{index}.npz"), *weights)
     print(f"trained with transport {mode}", flush=True)
 

@@ -6,7 +6,8 @@ KILL_SIGNALS = {"SIGKILL": 9, "SIGTERM": 15}
 def train_with_backup(backup_dir, epochs=3, save_freq=10, kill_at=None, kill_worker=0,
                       kill_with="SIGKILL", logical_cpus=None, num_examples=1024,
                       global_batch_size=32, slow_saves=None, shuffle_buffer=None,
-                      repeat=False, kill_when_saved=False, late_watcher=False):
+                      repeat=False, kill_when_saved=False, late_watcher=False,
+                      snapshot_freq="auto", hosts_of_their_own=False, transport=None):
     """Trains with BackupAndRestore; on the launcher's first attempt, worker
     `kill_worker` kills itself after `kill_at` steps. Returns weights and counters.
 
@@ -15,7 +16,9 @@ def train_with_backup(backup_dir, epochs=3, save_freq=10, kill_at=None, kill_wor
     With `kill_when_saved` the kill waits (60 s at most) for the backup being written, so
     that the newest backup is the one of the last multiple of `save_freq` however loaded
     the machine is. With `late_watcher`, worker 0's preemption watcher learns a stop step
-    2 s after it was published, as on a loaded machine, on the first attempt.
+    2 s after it was published, as on a loaded machine, on the first attempt. With
+    `hosts_of_their_own` each worker keeps its in-memory snapshots apart, as on a host of
+    its own, and worker 1's are lost before the second attempt (a replaced host).
     """
     import os
     import signal
@@ -28,9 +31,11 @@ def train_with_backup(backup_dir, epochs=3, save_freq=10, kill_at=None, kill_wor
 
     if logical_cpus:
         td.use_logical_cpus(logical_cpus)
+    if hosts_of_their_own:
+        _host_of_its_own()
     keras.utils.set_random_seed(1)
     tf.config.experimental.enable_op_determinism()
-    strategy = td.make_strategy()
+    strategy = td.make_strategy(transport=transport)
     x, y = make_data(num_examples)
     with strategy.scope():
         model = keras.Sequential([
@@ -46,7 +51,8 @@ def train_with_backup(backup_dir, epochs=3, save_freq=10, kill_at=None, kill_wor
                                          global_batch_size, shuffle_buffer=shuffle_buffer,
                                          repeat=repeat)
     backup = td.callbacks.BackupAndRestore(backup_dir, save_freq=save_freq,
-                                           delete_checkpoint=False)
+                                           delete_checkpoint=False,
+                                           snapshot_freq=snapshot_freq)
     if slow_saves and os.environ.get("TF_DISTRIB_ATTEMPT", "0") == "0":
         import time
 
@@ -96,6 +102,22 @@ def train_with_backup(backup_dir, epochs=3, save_freq=10, kill_at=None, kill_wor
             "replicas": strategy.num_replicas_in_sync,
             "iterations": int(model.optimizer.iterations.numpy()),
             "loss": history.history["loss"], "restored_step": backup.restored_step}
+
+
+def _host_of_its_own():
+    """This worker's snapshots in a directory of its own, as if alone on its host."""
+    import os
+    import shutil
+
+    from tf_distrib import contract
+
+    index = contract.worker_index()
+    directory = os.path.join(contract.snapshot_dir(), f"host-{index}")
+    if index == 1 and contract.attempt() == 1:
+        shutil.rmtree(directory)
+    os.makedirs(directory, exist_ok=True)
+    os.environ.update({contract.ENV_SNAPSHOT_DIR: directory, contract.ENV_LOCAL_INDEX: "0",
+                       contract.ENV_LOCAL_WORKERS: "1"})
 
 
 def train_on_one_cpu():

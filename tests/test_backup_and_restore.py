@@ -46,7 +46,7 @@ def test_mid_epoch_crash_resumes_bitwise_exactly(tmp_path, logical_cpus, request
     # 1024 examples / 32 = 32 steps per epoch; SIGKILL at step 45 (epoch 1, step 13)
     # once the backup of step 40 is written (in the background: on a loaded machine it
     # was not, 5 steps later, and the job resumed from step 32), so 8 steps of epoch 1
-    # are skipped on resume.
+    # are skipped on resume. No in-memory snapshots: the backups' path.
     if logical_cpus is None:
         reference = request.getfixturevalue("one_worker_reference")
     else:
@@ -54,7 +54,7 @@ def test_mid_epoch_crash_resumes_bitwise_exactly(tmp_path, logical_cpus, request
                                   kwargs={"logical_cpus": logical_cpus}, quiet=True)
     result = launch(train_with_backup, 1, args=(str(tmp_path / "b"),),
                     kwargs={"logical_cpus": logical_cpus, "kill_at": 45,
-                            "kill_when_saved": True}, max_restarts=1,
+                            "kill_when_saved": True, "snapshot_freq": None}, max_restarts=1,
                     startup_timeout=None, quiet=True, timeout=240)
     assert result.exit_code == 0, result.failure_report()
     assert result.exit_codes[0] == [-9]
@@ -70,13 +70,13 @@ def test_mid_epoch_crash_resumes_bitwise_exactly(tmp_path, logical_cpus, request
 @pytest.mark.multiprocess
 def test_a_shuffled_epoch_resumes_in_its_own_order_on_two_workers(tmp_path, repeat):
     # Shuffled every epoch: the resumed epoch 1 must read epoch 1's order, not the first
-    # order a fresh process would draw.
+    # order a fresh process would draw. No in-memory snapshots: the backups' path.
     kwargs = {"shuffle_buffer": 1024, "repeat": repeat}
     reference = run_workers(train_with_backup, 2, args=(str(tmp_path / "ref"),),
                             kwargs=kwargs, quiet=True)
     result = launch(train_with_backup, 2, args=(str(tmp_path / "b"),),
-                    kwargs={**kwargs, "kill_at": 45, "kill_worker": 1}, max_restarts=1,
-                    quiet=True, timeout=300)
+                    kwargs={**kwargs, "kill_at": 45, "kill_worker": 1, "snapshot_freq": None},
+                    max_restarts=1, quiet=True, timeout=300)
     assert result.exit_code == 0, result.failure_report()
     assert [w.value["restored_step"] for w in result.workers] == [40, 40]
     for worker, ref in zip(result.workers, reference, strict=True):
@@ -94,7 +94,8 @@ def test_killed_while_a_backup_is_written_resumes_from_the_previous_one(tmp_path
     # The backup of step 20 stops for a minute after its first array, in the background;
     # training goes on and the process is killed at step 22, in the middle of that write.
     result = launch(train_with_backup, 1, args=(str(tmp_path / "b"),),
-                    kwargs={"kill_at": 22, "slow_saves": {20: 60}}, max_restarts=1,
+                    kwargs={"kill_at": 22, "slow_saves": {20: 60}, "snapshot_freq": None},
+                    max_restarts=1,
                     startup_timeout=None, quiet=True, timeout=240)
     assert result.exit_code == 0, result.failure_report()
     assert result.exit_codes[0] == [-9]
@@ -115,18 +116,39 @@ def two_worker_reference(tmp_path_factory):
 
 
 @pytest.mark.multiprocess
-def test_two_workers_killed_mid_epoch_resume_bitwise_exactly(tmp_path, two_worker_reference):
+def test_two_workers_killed_mid_epoch_resume_from_memory_bitwise_exactly(tmp_path,
+                                                                         two_worker_reference):
     backup_dir = tmp_path / "shared"
     result = launch(train_with_backup, 2, args=(str(backup_dir),),
-                    kwargs={"kill_at": 45, "kill_worker": 1}, max_restarts=1, quiet=True,
-                    timeout=300)
+                    kwargs={"kill_at": 45, "kill_worker": 1, "snapshot_freq": 1},
+                    max_restarts=1, quiet=True, timeout=300)
     assert result.exit_code == 0, result.failure_report()
     assert result.exit_codes[0][1] == -9
+    # The in-memory snapshot of step 45, the step before the kill: no step is lost
+    # (the backup of step 40 is older).
     for worker in result.workers:
-        assert worker.value["restored_step"] == 40
+        assert worker.value["restored_step"] == 45
         assert_bitwise_equal(worker.value, two_worker_reference)
+    assert "resuming from step 45 (in-memory snapshot)" in "".join(result.workers[0].output)
     # One shared directory holds only the chief's committed backups.
     assert sorted(os.listdir(backup_dir)) == ["backup-000000000090", "backup-000000000096"]
+
+
+@pytest.mark.parametrize("transport", [None, "tf"], ids=["tf_distrib transport", "TF collective"])
+@pytest.mark.multiprocess
+def test_a_host_that_lost_its_memory_resumes_from_its_peers_snapshot(tmp_path, transport,
+                                                                     two_worker_reference):
+    # Each worker alone on its "host"; worker 1's snapshots are gone before the restart,
+    # and there is no backup yet (the first is at the end of epoch 0, step 32).
+    result = launch(train_with_backup, 2, args=(str(tmp_path / "shared"),),
+                    kwargs={"kill_at": 20, "kill_worker": 1, "save_freq": "epoch",
+                            "snapshot_freq": 1, "hosts_of_their_own": True,
+                            "transport": transport},
+                    max_restarts=1, quiet=True, timeout=300)
+    assert result.exit_code == 0, result.failure_report()
+    for worker in result.workers:
+        assert worker.value["restored_step"] == 20
+        assert_bitwise_equal(worker.value, two_worker_reference)
 
 
 @pytest.mark.multiprocess
@@ -567,3 +589,25 @@ def test_a_backup_directory_that_is_not_shared_is_refused_naming_the_workers(tmp
         assert "worker:1 cannot see the files the chief writes" in worker.value
         assert f"backup_dir {tmp_path}/" in worker.value and "shared file system" in worker.value
     assert not any(p.name.startswith(".tf_distrib-probe") for p in (tmp_path / "0").iterdir())
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: mounts a small tmpfs as /dev/shm")
+def test_a_full_dev_shm_turns_snapshots_off_with_a_warning_and_training_goes_on(tmp_path,
+                                                                              monkeypatch):
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", str(shm)], check=True)
+    try:
+        monkeypatch.setenv(td.contract.ENV_SNAPSHOT_DIR, str(shm))
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4096)])  # 80 KB
+        model.compile(keras.optimizers.SGD(0.1), "mse")
+        x = np.zeros((64, 4), "float32")
+        callback = td.callbacks.BackupAndRestore(str(tmp_path / "b"), snapshot_freq=1)
+        with pytest.warns(RuntimeWarning, match="in-memory snapshots are off for this fit: "
+                                                ".*No space left on device"):
+            model.fit(x, np.zeros((64, 4096), "float32"), batch_size=8, epochs=2, verbose=0,
+                      callbacks=[callback])
+        assert int(model.optimizer.iterations.numpy()) == 16
+        assert [p.name for p in shm.rglob("part-*")] == []
+    finally:
+        subprocess.run(["umount", "--lazy", str(shm)], check=False)

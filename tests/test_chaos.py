@@ -11,11 +11,11 @@ from tf_distrib.chaos import Fault
 def _plans():
     """Every fault kind once, several to a trial (a short `make chaos`)."""
     plans = [[Fault("startup", 0, 1, 0, "transport/stop"), Fault("kill_in_collective", 1, 0, 15),
-              Fault("sigkill", 2, 1, 12)],
+              Fault("sigkill", 2, 1, 12), Fault("kill_in_snapshot", 3, 0, 3)],
              [Fault("sigterm", 0, 1, 25), Fault("kill_in_write", 1, 0, 2),
-              Fault("sigstop", 2, 1, 12)]]
+              Fault("sigstop", 2, 1, 12), Fault("torn_snapshot", 3, 1, 4)]]
     if os.geteuid() == 0:  # a full disk mounts a small tmpfs
-        plans[1].append(Fault("full_disk", 3, 0, 5))
+        plans[1].append(Fault("full_disk", 4, 0, 5))
     return plans
 
 

@@ -29,7 +29,7 @@ def test_a_worker_that_stops_stepping_is_named_and_the_job_resumes(tmp_path, sta
     report = "".join(hung.workers[0].output)
     assert f"tf_distrib watchdog: worker:0: no step finished for {HANG_TIMEOUT} s" in report \
         or "reported a hang" in report
-    assert [w.value["restored_step"] for w in result.workers] == [10, 10]
+    assert_resumed_before_the_stop(result)
 
 
 def test_a_sigstopped_worker_is_named_by_the_launcher_and_the_job_resumes(tmp_path):
@@ -42,7 +42,14 @@ def test_a_sigstopped_worker_is_named_by_the_launcher_and_the_job_resumes(tmp_pa
                                       "SIGSTOP) for 5 s during training"), stopped.failure
     assert result.exit_codes[0][1] == -signal.SIGKILL
     assert stopped.stopped_first == [1]
-    assert [w.value["restored_step"] for w in result.workers] == [10, 10]
+    assert_resumed_before_the_stop(result)
+
+
+def assert_resumed_before_the_stop(result):
+    """From the newest of the backup of step 10 and the in-memory snapshots (as often as
+    their cost allows), at most step 15, where worker 1 stopped; the same on both."""
+    restored = [w.value["restored_step"] for w in result.workers]
+    assert restored[0] == restored[1] and 10 <= restored[0] <= 15, restored
 
 
 @pytest.mark.parametrize("plain", [False, True], ids=["distribute_dataset", "plain_dataset"])

@@ -5,6 +5,7 @@ over veth links through a bridge, shaped to 10 Gbit/s (tf_distrib.testing.simula
 """
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -55,15 +56,17 @@ class _Launcher:
         return self.output
 
 
-def _launch(hosts, out, workers_per_host=1, launcher_args=(), job_args=(), timeout=300):
-    """Starts one launcher per host."""
+def _launch(hosts, out, workers_per_host=1, launcher_args=(), job_args=(), timeout=300,
+            only=None, log_dir=None):
+    """Starts one launcher per host (on host `only` alone, if given)."""
     spec = ",".join(f"{address}:{PORT}" for address in hosts.addresses)
     return [_Launcher(hosts.run(
         i, [sys.executable, "-m", "tf_distrib.launch", "-n", str(workers_per_host),
             "--hosts", spec, "--host-index", str(i), "--timeout", str(timeout),
-            "--log-dir", str(out / f"logs-{i}"), *launcher_args, JOB, str(out), *job_args],
+            "--log-dir", str(out / (log_dir or f"logs-{i}")), *launcher_args, JOB, str(out),
+            *job_args],
         env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        for i in range(len(hosts.addresses))]
+        for i in range(len(hosts.addresses)) if only in (None, i)]
 
 
 def _finish(launchers, timeout=400):
@@ -186,6 +189,34 @@ def test_a_lost_host_leaves_the_job_to_the_other_which_resumes_from_the_backup(
     # another order.
     for got, want in zip(_weights(tmp_path, 0), two_hosts_uninterrupted, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_a_replaced_host_resumes_from_its_peers_in_memory_snapshot(tmp_path,
+                                                                   two_hosts_uninterrupted):
+    backup = tmp_path / "backup"
+    job_args = [*LONG, "--backup-dir", str(backup), "--snapshot-freq", "1", "--progress"]
+    with SimulatedHosts(2) as hosts:
+        launchers = _launch(hosts, tmp_path, launcher_args=["--max-restarts", "1"],
+                            job_args=job_args)
+        _wait_for_backup(backup, launchers)
+        hosts.kill(1)  # every process of host 1: its launcher and its snapshots' owner
+        _wait_for(lambda: "restarting (1/1)" in launchers[0].output,
+                  deadline=time.monotonic() + 60, launchers=launchers[:1])
+        lost_at = int((tmp_path / "progress-0").read_text())
+        shutil.rmtree(backup)  # nothing durable to resume from
+        # A new machine in host 1's place: its launcher finds host 1's snapshots' owner
+        # gone and deletes them, as a reboot would.
+        [replacement] = _launch(hosts, tmp_path, launcher_args=["--max-restarts", "1"],
+                                job_args=job_args, only=1, log_dir="logs-1-replaced")
+        outputs = _finish([launchers[0], replacement])
+    resumed = [int(line.split("resuming from step ")[1].split()[0])
+               for output in outputs for line in output.splitlines()
+               if "(in-memory snapshot)" in line]
+    assert len(resumed) == 2 and abs(resumed[0] - lost_at) <= 1 and resumed[0] == resumed[1], (
+        lost_at, outputs)
+    for index in range(2):
+        for got, want in zip(_weights(tmp_path, index), two_hosts_uninterrupted, strict=True):
+            np.testing.assert_array_equal(got, want)
 
 
 STRANGER_JOB = """

@@ -336,3 +336,17 @@ def check() -> list[str]:
         except (CompatibilityError, ImportError) as e:
             problems.append(str(e))
     return problems
+
+
+def local_value(variable):
+    """A view of this worker's copy of a Keras variable's value, read without a collective.
+
+    Keras 3 keeps the TensorFlow variable in `_value`; a mirrored variable keeps this
+    worker's first copy in `_primary`. `tf.convert_to_tensor(variable.value)` reads the
+    same through the distribution layer at ~0.25 ms a variable, 10x more.
+    """
+    import numpy as np
+
+    inner = getattr(variable, "_value", variable)
+    inner = getattr(inner, "_primary", inner)
+    return np.asarray(inner.read_value())

@@ -49,6 +49,12 @@ ENV_CACHE_DIR = "TF_DISTRIB_CACHE_DIR"
 ENV_STATUS_DIR = "TF_DISTRIB_STATUS_DIR"
 #: Where each worker writes its part of the launch's timeline (`--timeline`).
 ENV_TIMELINE_DIR = "TF_DISTRIB_TIMELINE_DIR"
+#: This host's directory in /dev/shm for in-memory snapshots, owned by its launcher.
+ENV_SNAPSHOT_DIR = "TF_DISTRIB_SNAPSHOT_DIR"
+#: This worker's index among its host's workers (torchrun's `LOCAL_RANK`).
+ENV_LOCAL_INDEX = "TF_DISTRIB_LOCAL_INDEX"
+#: Workers on this host in this attempt (`LOCAL_WORLD_SIZE`).
+ENV_LOCAL_WORKERS = "TF_DISTRIB_LOCAL_WORKERS"
 
 #: A worker saved a backup on SIGTERM (preemption) and exited; its peers save at the
 #: same step and exit on their own. Restart the group: it resumes from that step.
@@ -156,3 +162,26 @@ def attempt(environ: Mapping[str, str] | None = None) -> int:
         environ: The environment to read. Defaults to `os.environ`.
     """
     return env_int(ENV_ATTEMPT, 0, environ)
+
+
+def local_workers(environ: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """(this worker's index on its host, the host's workers); (0, 1) outside a launch.
+
+    Args:
+        environ: The environment to read. Defaults to `os.environ`.
+    """
+    index = env_int(ENV_LOCAL_INDEX, 0, environ)
+    count = env_int(ENV_LOCAL_WORKERS, 1, environ)
+    if not index < count:
+        raise ValueError(f"{ENV_LOCAL_INDEX}={index} is not below {ENV_LOCAL_WORKERS}="
+                         f"{count}. Fix or unset the variables.")
+    return index, count
+
+
+def snapshot_dir(environ: Mapping[str, str] | None = None) -> str | None:
+    """This host's in-memory snapshot directory, or None (no launcher, or turned off).
+
+    Args:
+        environ: The environment to read. Defaults to `os.environ`.
+    """
+    return (os.environ if environ is None else environ).get(ENV_SNAPSHOT_DIR) or None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 import time
 import warnings
 
@@ -9,13 +11,15 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_distrib import _compat, cluster, data
+from tf_distrib import _compat, cluster, contract, data
 from tf_distrib._checks import check_int, is_int
-from tf_distrib.callbacks import shared_directory
+from tf_distrib.callbacks import shared_directory, snapshot_peers
 from tf_distrib.callbacks.background_save import BackgroundSave
 from tf_distrib.callbacks.backup_store import BackupStore
 from tf_distrib.callbacks.host_snapshot import HostSnapshot
+from tf_distrib.callbacks.memory_snapshot import MemorySnapshot
 from tf_distrib.callbacks.preemption import PreemptionWatcher
+from tf_distrib.callbacks.snapshot_cadence import SnapshotCadence
 from tf_distrib.contract import PREEMPTED_EXIT_CODE
 from tf_distrib.health import phases, steps, watchdog
 
@@ -70,6 +74,14 @@ class BackupAndRestore(keras.callbacks.Callback):
       left behind is deleted, the previous backup stays the newest, and training goes
       on. After `max_failed_saves` failed saves in a row, `fit` raises `BackupError`.
       A backup directory that disappears while training is made again, with a warning.
+    - **In-memory snapshots** (under `tf-distrib launch`): besides the backups, the
+      newest state (weights, optimizer, RNG, step; not the metrics) is copied as
+      often as `snapshot_freq` says into shared memory that the launcher owns and
+      frees (`memory_snapshot`): a restarted group resumes from the newest one any
+      host holds when it is newer than the newest backup, and loses at most the
+      steps since it; a host that lost its memory gets it from a peer
+      (`snapshot_peers`). Each of a host's workers copies an equal share; a host
+      holds at most 2x the state. A snapshot is not durable: the backups stay.
     - **Hang watchdog**: the chief's write pauses `tf_distrib.health.watchdog`; the
       collective reads of a save stay watched.
 
@@ -92,6 +104,10 @@ class BackupAndRestore(keras.callbacks.Callback):
             that stalls); the write goes on in the background. Defaults to 300.
         max_failed_saves: Failed saves in a row after which `fit` raises
             `BackupError`. Defaults to 3.
+        snapshot_freq: In-memory snapshots, where the launcher keeps them: "auto"
+            (every step, or every few steps where a copy would take more than 3% of
+            the step time: `snapshot_cadence`), a number of steps, or None for none.
+            Defaults to "auto".
 
     Attributes:
         restored_step: The global step training resumed from in the last `fit`, or
@@ -109,13 +125,17 @@ class BackupAndRestore(keras.callbacks.Callback):
                  delete_checkpoint: bool = True, *, keep: int = 2,
                  save_before_preemption: bool = True, verbose: int = 1,
                  async_save: bool = True, save_timeout: float = 300.0,
-                 max_failed_saves: int = 3):
+                 max_failed_saves: int = 3, snapshot_freq: str | int | None = "auto"):
         super().__init__()
         if not backup_dir:
             raise ValueError("BackupAndRestore needs a backup_dir, e.g. '/tmp/backup'.")
         if save_freq != "epoch" and (not is_int(save_freq) or save_freq < 1):
             raise ValueError(
                 f"save_freq must be 'epoch' or a positive number of steps, got {save_freq!r}.")
+        if snapshot_freq not in ("auto", None) and (not is_int(snapshot_freq)
+                                                    or snapshot_freq < 1):
+            raise ValueError(f"snapshot_freq must be 'auto', a positive number of steps or "
+                             f"None (no in-memory snapshots), got {snapshot_freq!r}.")
         check_int("keep", keep)
         check_int("max_failed_saves", max_failed_saves)
         if not (isinstance(save_timeout, (int, float)) and save_timeout > 0):
@@ -129,6 +149,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.async_save = async_save
         self.save_timeout = float(save_timeout)
         self.max_failed_saves = max_failed_saves
+        self.snapshot_freq = snapshot_freq
+        self._memory: MemorySnapshot | None = None
+        self._cadence: SnapshotCadence | None = None
+        # (specs of the state's arrays, {index: variable} of this worker's share of them)
+        self._memory_share = None
         self._store = BackupStore(self.backup_dir, keep)
         self._writer = BackgroundSave(exit_wait=self.save_timeout)
         self._writing_step: int | None = None  # the step the writer's job saves, if any
@@ -157,28 +182,68 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._global_step = self._epoch = self._step_in_epoch = self._skip = 0
         self._skipped_last_call = self._save_due = False
         self.restored_step = self._saved_step = None
-        if _is_multi_worker(strategy):
+        multi_worker = _is_multi_worker(strategy)
+        if multi_worker:
             shared_directory.check(self.backup_dir, strategy)
+        self._open_memory(strategy, multi_worker)
         with phases.entered(phases.RESTORING):
             restored = self._store.read_latest()
             if restored is not None:
+                self._saved_step = self._newest_step = restored[0]["step"]
+            snapshot = self._newest_snapshot(restored, strategy, multi_worker)
+            if snapshot is not None:
+                self._restore(*snapshot, from_memory=True)
+            elif restored is not None:
                 self._restore(*restored)
         if self.save_before_preemption:
             self._preemption = PreemptionWatcher(
                 cluster.spec_of(strategy) if _is_multi_worker(strategy) else None,
                 model=self.model)
 
-    def _restore(self, manifest, arrays):
-        """Resumes from a backup: fit's first epoch now, the state now or at the first step."""
+    def _open_memory(self, strategy, multi_worker: bool) -> None:
+        """Opens this host's in-memory snapshots, where the launcher keeps them."""
+        directory = contract.snapshot_dir()
+        self._memory_share = None
+        if directory is None or self.snapshot_freq is None:
+            self._memory = self._cadence = None
+            return
+        part, parts = contract.local_workers()
+        # One subdirectory per backup_dir: another BackupAndRestore's state is not this one's.
+        key = hashlib.sha1(os.path.abspath(self.backup_dir).encode()).hexdigest()[:16]
+        os.makedirs(os.path.join(directory, key), exist_ok=True)
+        self._memory = MemorySnapshot(os.path.join(directory, key), part, parts)
+        self._cadence = SnapshotCadence(
+            self.snapshot_freq, strategy, multi_worker,
+            verbose=self.verbose > 0 and (not multi_worker or cluster.spec_of(strategy).is_chief))
+
+    def _newest_snapshot(self, durable, strategy, multi_worker: bool):
+        """(manifest, arrays) of the newest in-memory snapshot of any host, if newer than
+        `durable`; a host that lacks it gets it from one that holds it (`snapshot_peers`)."""
+        if self._memory is None:
+            return None
+        peers = strategy if multi_worker else None
+        step, holders = snapshot_peers.newest(peers, f"{self._cadence.key}/steps",
+                                              self._memory.steps(), self.save_timeout)
+        if step is None or (durable is not None and durable[0]["step"] >= step):
+            return None
+        mine = self._memory.read(step) if holders[_task_number(peers)] else None
+        if all(holders):
+            return mine
+        return snapshot_peers.share(peers, f"{self._cadence.key}/{step}", mine, holders,
+                                    self.save_timeout)
+
+    def _restore(self, manifest, arrays, from_memory: bool = False):
+        """Resumes from a backup or an in-memory snapshot: fit's first epoch now, the
+        state now or at the first step."""
         meta = manifest["metadata"]
         epoch, step = meta["epoch"], meta["step_in_epoch"]
         if step and meta.get("steps_per_epoch") and step >= meta["steps_per_epoch"]:
             epoch, step = epoch + 1, 0
         # fit() reads this right after on_train_begin to choose its first epoch.
         _compat.set_initial_epoch(self.model, epoch)
-        self._global_step = self.restored_step = self._saved_step = manifest["step"]
-        self._newest_step = manifest["step"]
-        deferred = ["metrics"] if step else []
+        self._global_step = self.restored_step = manifest["step"]
+        # A snapshot holds no metrics (reading them is a collective): they restart at 0.
+        deferred = ["metrics"] if step and not from_memory else []
         if self.model.built:
             if not self.model.optimizer.built:
                 self.model.optimizer.build(self.model.trainable_variables)
@@ -187,7 +252,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             deferred = ["model", "optimizer"] + deferred
         self._wrap_train_function(manifest, arrays, step, deferred)
         if self.verbose:
-            print(f"BackupAndRestore: resuming from step {manifest['step']} "
+            source = " (in-memory snapshot)" if from_memory else ""
+            print(f"BackupAndRestore: resuming from step {manifest['step']}{source} "
                   f"(epoch {epoch}, step {step} within it)", flush=True)
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -209,6 +275,9 @@ class BackupAndRestore(keras.callbacks.Callback):
                 and self._global_step // self.save_freq
                 > (self._global_step - steps) // self.save_freq):
             self._save_due = True
+        if self._cadence is not None and self._cadence.due(self._global_step, steps) \
+                and self._at_update_boundary():
+            self._snapshot_in_memory()
         if self._preemption is not None:
             stop_at = self._preemption.stop_step(self._global_step)
             if (stop_at is not None and self._global_step >= stop_at
@@ -235,6 +304,8 @@ class BackupAndRestore(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         self._finish_job()
         self._snapshot.release()
+        if self._memory is not None:
+            self._close_memory()
         if self._preemption is not None:
             self._preemption.close()
             self._preemption = None
@@ -284,6 +355,38 @@ class BackupAndRestore(keras.callbacks.Callback):
         """
         return (self.delete_checkpoint and last_step_of_epoch
                 and epoch + 1 == self.params.get("epochs"))
+
+    def _snapshot_in_memory(self) -> None:
+        """Copies this worker's share of the state (no metrics) into the host's snapshot.
+
+        On the training thread: a copy in the background measured no cheaper on busy
+        cores, and would let a kill right after a step lose that step's snapshot."""
+        began = time.perf_counter()
+        if self._memory_share is None:
+            variables = [(name, v) for name, v in self._named_variables()
+                         if not name.startswith("metrics/")]
+            specs = [(name, tf.as_dtype(v.dtype).as_numpy_dtype, tuple(v.shape))
+                     for name, v in variables]
+            self._memory_share = (specs, {i: variables[i][1]
+                                          for i in self._memory.indices(specs)})
+        specs, share = self._memory_share
+        try:
+            self._memory.write(self._global_step, {
+                "epoch": self._epoch, "step_in_epoch": self._step_in_epoch,
+                "steps_per_epoch": self.params.get("steps")}, specs,
+                lambda i: _compat.local_value(share[i]))
+        except OSError as e:  # /dev/shm is full
+            self._close_memory(error=e)
+            return
+        self._cadence.copied(time.perf_counter() - began)
+
+    def _close_memory(self, error: OSError | None = None) -> None:
+        """Closes the in-memory snapshots; `error` turns them off with a warning."""
+        if error is not None:
+            warnings.warn(f"BackupAndRestore: in-memory snapshots are off for this fit: "
+                          f"{error}. The backups go on.", RuntimeWarning, stacklevel=3)
+        self._memory.close(delete=self.delete_checkpoint or error is not None)
+        self._memory = self._cadence = self._memory_share = None
 
     def _save(self):
         began = time.time()
@@ -457,3 +560,11 @@ class BackupError(RuntimeError):
 def _is_multi_worker(strategy) -> bool:
     return (isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
             and _compat.in_multi_worker_mode(strategy))
+
+
+def _task_number(strategy) -> int:
+    """This worker's position among the training tasks (0 without a multi-worker strategy)."""
+    if strategy is None:
+        return 0
+    spec = cluster.spec_of(strategy)
+    return spec.training_tasks.index(spec.task)

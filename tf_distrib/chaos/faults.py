@@ -4,7 +4,8 @@ A fault is drawn by the driver (`draw`) and carried to the workers as a dict; th
 it names, on the attempt it names, injects it when its moment comes: a signal it sends
 itself at a training step (as an outside killer would: the process cannot tell), or a
 hook at the exact point a kill hurts most (while a backup's state file is written but
-its manifest is not; inside the gradient transport's collective).
+its manifest is not; inside the gradient transport's collective; halfway through the
+copy of an in-memory snapshot, or after the copy and before its commit: a torn one).
 """
 
 from __future__ import annotations
@@ -18,12 +19,17 @@ import threading
 #: Every fault a trial can draw. "full_disk" needs root (a small tmpfs as the backups'
 #: file system).
 FAULT_KINDS = ("sigkill", "sigstop", "sigterm", "startup", "kill_in_write",
-               "kill_in_collective", "full_disk")
+               "kill_in_collective", "kill_in_snapshot", "torn_snapshot", "full_disk")
 # Faults that end the attempt (the launcher restarts the group); a full disk does not.
 RESTARTING = frozenset(FAULT_KINDS) - {"full_disk"}
 # Where a worker may be stopped or killed before its first step (`tf_distrib.health.phases`).
 STARTUP_PHASES = ("starting", "cluster", "transport", "building")
 SAVE_EVERY = 10
+#: The chaos job's in-memory snapshots: every 3 steps, so that restarts resume from
+#: snapshots and from backups alike.
+SNAPSHOT_EVERY = 3
+# The faults that strike at the how-manieth snapshot of the attempt.
+_IN_SNAPSHOT = ("kill_in_snapshot", "torn_snapshot")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,8 +41,8 @@ class Fault:
         attempt: The launcher's attempt (0, 1, ...) in which it strikes.
         worker: The worker that suffers it.
         step: The training step of that attempt after which it strikes (for
-            "kill_in_write" and "kill_in_collective": the how-manieth write or
-            collective of the attempt).
+            "kill_in_write", "kill_in_collective" and the snapshot faults: the
+            how-manieth write, collective or snapshot of the attempt).
         detail: "startup": "<phase>/<kill|stop>". Defaults to "".
     """
 
@@ -49,6 +55,8 @@ class Fault:
     def __str__(self) -> str:
         where = {"kill_in_write": f"backup write {self.step}",
                  "kill_in_collective": f"collective {self.step}",
+                 "kill_in_snapshot": f"snapshot {self.step}",
+                 "torn_snapshot": f"snapshot {self.step}",
                  "startup": self.detail}.get(self.kind, f"step {self.step}")
         return f"{self.kind} (worker {self.worker}, attempt {self.attempt}, {where})"
 
@@ -72,6 +80,8 @@ def draw(rng: random.Random, kinds=FAULT_KINDS) -> list[Fault]:
             step, detail = 0, f"{rng.choice(STARTUP_PHASES)}/{rng.choice(['kill', 'stop'])}"
         elif kind == "kill_in_write":
             worker, step = 0, rng.randint(1, 3)  # the chief writes
+        elif kind in _IN_SNAPSHOT:
+            step = max(1, step // SNAPSHOT_EVERY)
         elif kind == "full_disk":
             worker, step = 0, rng.randint(1, 15)
         faults.append(Fault(kind, attempt, worker, step, detail))
@@ -95,6 +105,8 @@ def inject(faults: list[Fault], attempt: int, worker: int, backup_dir: str) -> l
             _kill_in_write(fault.step)
         elif fault.kind == "kill_in_collective":
             _kill_in_collective(fault.step)
+        elif fault.kind in _IN_SNAPSHOT:
+            _kill_in_snapshot(fault.step, torn=fault.kind == "torn_snapshot")
         else:
             callbacks.append(_at_step(fault, backup_dir))
     return callbacks
@@ -141,6 +153,28 @@ def _kill_in_write(nth: int) -> None:
         return open_for_writing(path, size)
 
     backup_store._open_for_writing = open_then_kill
+
+
+def _kill_in_snapshot(nth: int, torn: bool) -> None:
+    """SIGKILL in the `nth` in-memory snapshot: halfway through its copy, or (`torn`)
+    once it is copied and before it is committed. The previous one must be used."""
+    from tf_distrib.callbacks import memory_snapshot
+
+    copy, commit, copies = memory_snapshot._copy, memory_snapshot._commit, []
+
+    def copy_then_kill(sizes, read, low, target):
+        copies.append(None)
+        if len(copies) == nth and not torn:
+            copy(sizes, read, low, target[:target.size // 2])
+            _signal_self(signal.SIGKILL)
+        copy(sizes, read, low, target)
+
+    def kill_then_commit(*args):
+        if len(copies) == nth and torn:
+            _signal_self(signal.SIGKILL)
+        commit(*args)
+
+    memory_snapshot._copy, memory_snapshot._commit = copy_then_kill, kill_then_commit
 
 
 def _kill_in_collective(nth: int) -> None:

@@ -1,4 +1,5 @@
-"""The chaos trials' job: a small MLP on 2 workers, backed up asynchronously every 10 steps.
+"""The chaos trials' job: a small MLP on 2 workers, backed up asynchronously every 10 steps,
+with in-memory snapshots every 3.
 
 It runs under `tf-distrib launch` with the trial's faults (`tf_distrib.chaos.faults`)
 and returns the sha256 of its final weights, which a fault-free run must match bitwise.
@@ -44,7 +45,8 @@ def train(backup_dir: str, faults: list[dict] = ()) -> dict:
                                          BATCH, shuffle_buffer=STEPS_PER_EPOCH * BATCH, seed=1,
                                          repeat=True)
     backup = td.callbacks.BackupAndRestore(backup_dir, save_freq=chaos_faults.SAVE_EVERY,
-                                           delete_checkpoint=False, verbose=0)
+                                           delete_checkpoint=False, verbose=0,
+                                           snapshot_freq=chaos_faults.SNAPSHOT_EVERY)
     model.fit(dataset, epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH, verbose=0,
               callbacks=[backup, *callbacks])
     digest = hashlib.sha256(b"".join(w.numpy().tobytes() for w in model.weights))

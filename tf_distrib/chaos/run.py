@@ -17,11 +17,12 @@ import time
 
 from tf_distrib.chaos import job
 from tf_distrib.chaos.faults import FAULT_KINDS, RESTARTING, Fault, draw
-from tf_distrib.launch import launch
+from tf_distrib.launch import launch, snapshots
 
 #: How a trial can end: "equal" (bitwise equal to the fault-free run), "named failure"
 #: (the job failed, naming why, with its newest backup restorable), "LOST" (anything
-#: else: a different result, a hang, a failure nobody named, or an unusable backup).
+#: else: a different result, a hang, a failure nobody named, an unusable backup, or
+#: in-memory snapshots left in /dev/shm).
 OUTCOMES = ("equal", "named failure", "LOST")
 _TRIAL_TIMEOUT = 300.0
 _HANG_TIMEOUT = 30.0
@@ -64,8 +65,11 @@ def run_trial(faults: list[Fault], reference: str, workdir: str) -> TrialResult:
                         timeout=_TRIAL_TIMEOUT, quiet=True,
                         log_dir=os.path.join(workdir, "logs"))
         failures = [a.failure for a in result.attempts if a.failure]
+        left_in_memory = snapshots.of_launcher(os.getpid())
         digests = {v["digest"] for v in result.values if v} if result.exit_code == 0 else set()
-        if digests == {reference}:
+        if left_in_memory:
+            outcome, detail = "LOST", f"in-memory snapshots left behind: {left_in_memory}"
+        elif digests == {reference}:
             outcome, detail = "equal", ""
         elif result.exit_code == 0:
             outcome, detail = "LOST", f"final weights differ: {sorted(digests)}"

@@ -51,12 +51,13 @@ def _parser() -> argparse.ArgumentParser:
         flags = _SHORT_FLAGS.get(name, [f"--{name.replace('_', '-')}"])
         help_text = field.metadata["help"]
         default = getattr(defaults, name)
-        if default not in (None, False) and "default" not in help_text:
+        if default not in (None, False, True) and "default" not in help_text:
             help_text += f" (default {default:g})" if isinstance(default, float) \
                 else f" (default {default})"
         kind = field.type.split(" ")[0]  # the annotation's text: "float | None" -> "float"
-        if kind == "bool":  # "bool | None": None decides by itself, --no-... says no
-            action = argparse.BooleanOptionalAction if "None" in field.type else "store_true"
+        if kind == "bool":  # on by default, or "bool | None" (None decides): --no-... says no
+            action = (argparse.BooleanOptionalAction
+                      if "None" in field.type or default is True else "store_true")
             p.add_argument(*flags, dest=name, action=action, default=None, help=help_text)
         else:
             # -n takes "N" or "MIN:MAX"; --hosts a comma-separated list.

@@ -65,6 +65,11 @@ class LaunchConfig:
             None: TF_DISTRIB_PRELOAD (1 or 0) when set, else preloaded unless the target
             sets TensorFlow's environment before importing it (`tf_distrib.launch.preload`,
             and the launcher says so).
+        snapshots: Give the workers of each host a directory in /dev/shm that outlives
+            them and is deleted when the launch ends (`contract.ENV_SNAPSHOT_DIR`):
+            `tf_distrib.callbacks.BackupAndRestore` keeps the newest training state
+            there, so a restart loses only the steps since the last snapshot (every
+            step, or as often as 3% of the step time allows). Defaults to True.
         timeline: Where to write, when the launch ends, the last steps of every worker
             of its last attempt as one Chrome trace (`tf_distrib.health.timeline`).
             Defaults to None: no timeline.
@@ -118,6 +123,10 @@ class LaunchConfig:
         None, "fork workers (and restarts) from a process that has already imported "
               "TensorFlow and Keras, seconds sooner each (default: unless the script sets "
               "TensorFlow's environment before importing it; also TF_DISTRIB_PRELOAD=1/0)")
+    snapshots: bool = _option(
+        True, "keep each host's newest training state in shared memory that outlives the "
+              "workers, for BackupAndRestore to resume from (a restart loses only the steps "
+              "since the last snapshot; default: on, where /dev/shm exists)")
     timeline: str | None = _option(
         None, "when the launch ends, write the last steps of every worker here as a Chrome "
               "trace (opens in Perfetto)")

@@ -33,7 +33,7 @@ from tf_distrib.contract import (
 )
 from tf_distrib.health import timeline
 from tf_distrib.launch import console as console_lib
-from tf_distrib.launch import forkserver, membership, reports, targets, top
+from tf_distrib.launch import forkserver, membership, reports, snapshots, targets, top
 from tf_distrib.launch import preload as preload_lib
 from tf_distrib.launch import rendezvous as rendezvous_lib
 from tf_distrib.launch.config import LaunchConfig, with_overrides
@@ -240,10 +240,12 @@ def launch(target: str | Sequence[str] | Callable, num_workers: int | None = Non
     with tempfile.TemporaryDirectory(prefix="tf_distrib_launch_") as workdir:
         reports_dir = os.path.join(workdir, "reports")
         os.makedirs(reports_dir)
-        with _StopSignals() as stop, _Rendezvous(config) as rendezvous:
+        with _StopSignals() as stop, _Rendezvous(config) as rendezvous, \
+                snapshots.owned(config.snapshots) as snapshot_dir:
             group = _Group(
                 config=config, target=targets.resolve(target, args, kwargs, workdir),
-                workdir=workdir, reports_dir=reports_dir, env=_shared_env(config, reports_dir),
+                workdir=workdir, reports_dir=reports_dir,
+                env=_shared_env(config, reports_dir, snapshot_dir),
                 deadline=None if config.timeout is None else time.monotonic() + config.timeout,
                 stop=stop, stdout=stdout, stderr=stderr)
             slots = membership.Slots(config.num_workers, config.fewest_workers,
@@ -309,10 +311,13 @@ def _starting(config: LaunchConfig, number: int, restarts: int) -> None:
             os.unlink(part)
 
 
-def _shared_env(config: LaunchConfig, reports_dir: str) -> dict[str, str]:
+def _shared_env(config: LaunchConfig, reports_dir: str,
+                snapshot_dir: str | None) -> dict[str, str]:
     """The variables every worker of every attempt gets, beyond its own TF_CONFIG."""
     env = {ENV_REPORT_DIR: reports_dir,
            contract.ENV_STATUS_DIR: os.path.join(config.log_dir, top.STATUS_DIR), **config.env}
+    if snapshot_dir is not None:
+        env[contract.ENV_SNAPSHOT_DIR] = snapshot_dir
     if config.timeline:
         env[contract.ENV_TIMELINE_DIR] = os.path.join(config.log_dir, _TIMELINE_DIR)
     if config.hang_timeout is not None:
@@ -495,15 +500,19 @@ def _run_attempt(group: _Group, number: int, members: list[int], regrow) -> Atte
     return attempt
 
 
-def _worker_env(group: _Group, config: dict, index: int, total: int,
-                number: int) -> dict[str, str]:
-    """One worker's environment: the launcher's, the launch's, its TF_CONFIG and contract."""
+def _worker_env(group: _Group, config: dict, index: int, total: int, number: int,
+                local: tuple[int, int]) -> dict[str, str]:
+    """One worker's environment: the launcher's, the launch's, its TF_CONFIG and contract.
+
+    `local` is (its index among this host's workers, their number)."""
     env = {**os.environ, **group.env}
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     env.update({
         "TF_CONFIG": json.dumps(config),
         ENV_WORKER_INDEX: str(index),
         ENV_NUM_WORKERS: str(total),
+        contract.ENV_LOCAL_INDEX: str(local[0]),
+        contract.ENV_LOCAL_WORKERS: str(local[1]),
         ENV_ATTEMPT: str(number),
         ENV_MAX_RESTARTS: str(group.config.max_restarts),
         "PYTHONUNBUFFERED": "1",
@@ -517,7 +526,8 @@ def _start(group: _Group, number: int, configs: list[dict], first: int, total: i
            result_paths: list[str]) -> tuple[ProcessGroup, Liveness]:
     """Starts the attempt's workers, with their log files and their liveness check."""
     config = group.config
-    commands = [(group.target.command(path), _worker_env(group, c, first + i, total, number))
+    commands = [(group.target.command(path),
+                 _worker_env(group, c, first + i, total, number, (i, len(configs))))
                 for i, (c, path) in enumerate(zip(configs, result_paths, strict=True))]
     attempt_dir = os.path.join(config.log_dir, f"attempt-{number}")
     os.makedirs(attempt_dir, exist_ok=True)

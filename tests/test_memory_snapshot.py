@@ -7,6 +7,7 @@ import sys
 import textwrap
 import time
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -19,6 +20,7 @@ from tf_distrib.launch import launch, snapshots
 def state(step: int) -> list:
     """A state of several dtypes and shapes (a scalar too), its values set by `step`."""
     return [("model/0", np.full((33, 7), step, np.float32)),
+            ("model/1/bf16", np.full(3, step, ml_dtypes.bfloat16)),
             ("model/1", np.arange(5, dtype=np.float64) + step),
             ("optimizer/0", np.int64(step)),
             ("rng/0", np.array([step, -step], np.int32))]
@@ -58,10 +60,10 @@ def test_a_hosts_parts_make_the_whole_state_and_two_slots_keep_the_previous(tmp_
 
 def test_each_part_reads_only_the_arrays_in_its_byte_range(tmp_path):
     specs = [(name, np.asarray(value).dtype, np.shape(value)) for name, value in state(1)]
-    # 924 + 40 + 8 + 8 bytes: the first array spans parts 0 and 1 of 3, the rest is in 2.
+    # 924 + 6 + 40 + 8 + 8 bytes: the first array spans all 3 parts, the rest is in 2.
     assert [MemorySnapshot(str(tmp_path), part, 3).indices(specs) for part in range(3)] == [
-        [0], [0], [0, 1, 2, 3]]
-    assert MemorySnapshot(str(tmp_path), 0, 1).indices(specs) == [0, 1, 2, 3]
+        [0], [0], [0, 1, 2, 3, 4]]
+    assert MemorySnapshot(str(tmp_path), 0, 1).indices(specs) == [0, 1, 2, 3, 4]
 
 
 def test_an_uncommitted_slot_is_skipped_and_the_previous_step_restores(tmp_path):

@@ -16,7 +16,7 @@ import pytest
 from tests import _stranger
 from tf_distrib import transport
 from tf_distrib.testing import run_workers
-from tf_distrib.transport import wire
+from tf_distrib.transport import halving_doubling, wire
 from tf_distrib.transport.buffers import BufferPool, Layout
 from tf_distrib.transport.connection import Connection
 from tf_distrib.transport.errors import Peer
@@ -99,6 +99,32 @@ def test_sums_are_exact_and_bitwise_identical(tmp_path, mode, polled, world):
     small = [_inputs(r, SMALL, "float32") for r in range(world)]
     for k, got in enumerate(workers[0].value["small"]):
         np.testing.assert_allclose(got, sum(x[k].astype(np.float64) for x in small), rtol=1e-6)
+
+
+@pytest.mark.parametrize("world", [5, 8])
+def test_halving_doubling_and_the_ring_sum_exactly_on_many_workers(tmp_path, world):
+    # 5 workers: halving-doubling with rank 4 folded into rank 0 for the middle size, the
+    # ring for the largest; 8: halving-doubling for both.
+    sizes = [1000, 30_001, 1_000_000]
+    assert halving_doubling.preferred(world, 30_001 * 4)
+    assert halving_doubling.preferred(world, 4_000_000) == (world == 8)
+    workers = run_workers(sum_on_workers, world, args=(str(tmp_path), "tcp", sizes, "float32"),
+                          kwargs={"repeats": 1}, startup_timeout=None, quiet=True, timeout=180)
+    inputs = [_inputs(r, sizes, "float32") for r in range(world)]
+    for k, got in enumerate(workers[0].value["sums"]):
+        reference = sum(x[k].astype(np.float64) for x in inputs)
+        np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-4 * world)
+    assert len({hashlib.sha256(b"".join(s.tobytes() for s in w.value["sums"])).hexdigest()
+                for w in workers}) == 1
+
+
+def test_halving_doubling_is_chosen_where_its_rounds_save_more_than_its_bytes_cost():
+    assert not any(halving_doubling.preferred(n, 1 << 20) for n in (2, 3))
+    # 4 workers: 2 rounds fewer, worth 1 MB at 10% more per byte, not 1 GB.
+    assert halving_doubling.preferred(4, 1 << 20) and not halving_doubling.preferred(4, 1 << 30)
+    assert halving_doubling.preferred(512, 1 << 30)  # 18 rounds instead of 1022
+    assert halving_doubling.preferred(6, 100_000) and not halving_doubling.preferred(6, 1 << 24)
+    assert halving_doubling.preferred(513, 1 << 24)  # 20 rounds + 2 buffers for 1024 rounds
 
 
 def hold_results(directory, collectives):

@@ -21,6 +21,8 @@ import sys
 import tempfile
 import time
 
+from tf_distrib.transport import halving_doubling
+
 # Link rates in bits/s: those measured, and those the cost model projects to.
 _BITS = {"1gbit": 1e9, "10gbit": 10e9, "25gbit": 25e9, "100gbit": 100e9}
 RATES = {rate: _BITS[rate] for rate in ("1gbit", "10gbit")}
@@ -209,12 +211,27 @@ def _terms(row: dict, e: float, cores: int | None) -> tuple[list[float], float]:
     ring, share = (hosts, per_host) if hierarchical else (hosts * per_host, 1)
     over = max(1.0, hosts * per_host / cores) if cores else 1.0
     elements = nbytes / DTYPES[row["dtype"]]
-    sent = 2 * (ring - 1) / ring * nbytes  # by each ring, over each host's link
-    summed = (ring - 1) / ring * elements / share  # by each worker in its ring
+    rounds, sent, summed = _across(ring, nbytes / share, elements / share)
+    sent *= share  # each host's P rings share its link
     if hierarchical:
         summed += (per_host - 1) / per_host * elements  # and in its host's shared memory
-    return ([over * 2 * (ring - 1), over * sent / share, over * summed,
+    return ([over * rounds, over * sent / share, over * summed,
              over * nbytes if hierarchical else 0.0], sent / (e * _BITS[row["rate"]] / 8))
+
+
+def _across(workers: int, nbytes: float, elements: float) -> tuple[int, float, float]:
+    """(rounds, bytes over the busiest link, elements summed by a worker) of the all-reduce
+    over TCP that the transport picks (`ring.all_reduce`): the ring, or halving-doubling
+    (with the ranks beyond the largest power of two P folded in: 2 more rounds, the whole
+    buffer twice more over their links, and once more summed)."""
+    if not halving_doubling.preferred(workers, nbytes):
+        return 2 * (workers - 1), 2 * (workers - 1) / workers * nbytes, (
+            (workers - 1) / workers * elements)
+    power = 1 << (workers.bit_length() - 1)
+    folded = 0 if power == workers else 1
+    return (2 * (power.bit_length() - 1) + 2 * folded,
+            (2 * (power - 1) / power + 2 * folded) * nbytes,
+            ((power - 1) / power + folded) * elements)
 
 
 # What the projection assumes of each model: gradient floats and compute seconds per step.

@@ -66,7 +66,7 @@ class MemorySnapshot:
             read: Returns array i of `specs`; called only for the arrays in this
                 worker's byte range.
         """
-        layout = json.dumps([[name, np.dtype(dtype).str, list(shape)]
+        layout = json.dumps([[name, np.dtype(dtype).name, list(shape)]
                              for name, dtype, shape in specs])
         sizes = [int(np.prod(shape)) * np.dtype(dtype).itemsize for _, dtype, shape in specs]
         low, high = _byte_range(sum(sizes), self.part, self.parts)
@@ -114,7 +114,7 @@ class MemorySnapshot:
                 raise KeyError(f"the snapshot of step {step} was replaced while read")
         arrays, position = {}, 0
         for name, dtype, shape in json.loads(description["layout"]):
-            dtype = np.dtype(dtype)
+            dtype = dtype_named(dtype)
             size = int(np.prod(shape)) * dtype.itemsize
             arrays[name] = np.frombuffer(bytes(blob[position:position + size]),
                                          dtype).reshape(shape)
@@ -165,6 +165,17 @@ class MemorySnapshot:
             os.close(fd)
         self._maps[slot] = (block, offset, layout)
         return block, offset
+
+
+def dtype_named(name: str) -> np.dtype:
+    """The dtype `np.dtype(...).name` names: numpy's, or ml_dtypes' (bfloat16, ...), whose
+    `.str` is only "<V2"."""
+    try:
+        return np.dtype(name)
+    except TypeError:
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, name))
 
 
 def _copy(sizes: list[int], read, low: int, target: np.ndarray) -> None:

@@ -18,6 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_distrib import _compat, cluster
+from tf_distrib.callbacks.memory_snapshot import dtype_named
 from tf_distrib.transport import graph_op
 
 
@@ -57,10 +58,10 @@ def share(strategy, key: str, mine: tuple[dict, dict] | None, holders: list[bool
     if mine is not None:
         manifest, arrays = mine
         description = json.dumps({"manifest": manifest, "layout": [
-            [name, value.dtype.str, list(value.shape)] for name, value in arrays.items()]})
+            [name, value.dtype.name, list(value.shape)] for name, value in arrays.items()]})
     described = gather(strategy, f"{key}/description", description or "", timeout)
     received = json.loads(described[source])
-    layout = [(name, np.dtype(dtype), shape) for name, dtype, shape in received["layout"]]
+    layout = [(name, dtype_named(dtype), shape) for name, dtype, shape in received["layout"]]
     size = sum(int(np.prod(shape)) * dtype.itemsize for _, dtype, shape in layout)
     blob = np.zeros(-(-size // 4) * 4, np.uint8)
     spec = cluster.spec_of(strategy)

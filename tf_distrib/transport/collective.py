@@ -31,11 +31,10 @@ import time
 import numpy as np
 
 from tf_distrib.health import failure_report, phases
-from tf_distrib.transport import native_sum
+from tf_distrib.transport import native_sum, ring
 from tf_distrib.transport.buffers import BufferPool, Layout
 from tf_distrib.transport.errors import PeerLostError, TransportError
 from tf_distrib.transport.mesh import Mesh, SubMesh, TransportUnavailable
-from tf_distrib.transport.ring import ring_all_reduce
 from tf_distrib.transport.shared_memory import (
     MIN_CHUNK_BYTES,
     SharedMemoryReducer,
@@ -288,9 +287,7 @@ class Transport:
                 job.out = self._results.take(layout.nbytes, layout.dtype)
                 shm.all_reduce(job.seq, layout, arrays, job.out)
             else:
-                scratch = self._scratch.take(
-                    (layout.size // self.world + 1) * layout.dtype.itemsize, layout.dtype)
-                ring_all_reduce(self.mesh, job.seq, job.out, scratch)
+                ring.all_reduce(self.mesh, job.seq, job.out, self._scratch.take)
         except TransportError as e:
             if self.failure is None:
                 self._stop(e)
@@ -313,10 +310,7 @@ class Transport:
         n = len(local.peers)
         bounds = [layout.size * c // n for c in range(n + 1)]
         mine = out[bounds[local.rank]:bounds[local.rank + 1]]
-        hosts = len(self._across.peers)
-        scratch = self._scratch.take((len(mine) // hosts + 1) * layout.dtype.itemsize,
-                                     layout.dtype)
-        ring_all_reduce(self._across, seq, mine, scratch)
+        ring.all_reduce(self._across, seq, mine, self._scratch.take)
         self._shm.all_gather(seq, layout, bounds, out)
 
     def recent(self) -> list[dict]:

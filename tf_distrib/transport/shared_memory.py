@@ -26,11 +26,10 @@ import time
 
 import numpy as np
 
-from tf_distrib.transport import wire
+from tf_distrib.transport import ring, wire
 from tf_distrib.transport.buffers import ALIGN, Layout, sum_into
 from tf_distrib.transport.errors import ProtocolError
 from tf_distrib.transport.mesh import Mesh
-from tf_distrib.transport.ring import ring_all_reduce
 
 _MAGIC = b"tf_distrib shm 3"  # 2: result regions after the slots; 3: update regions
 SEGMENT_PREFIX = "tf_distrib-"  # the segments' file names in /dev/shm
@@ -241,9 +240,7 @@ class SharedMemoryReducer:
             if across is not None and low < high:
                 # Frames on a connection are matched in order: each chunk's ring can
                 # number its steps as the first one did.
-                ring_all_reduce(across, seq, target[low:high], scratch(
-                    ((high - low) // len(across.peers) + 1) * layout.dtype.itemsize,
-                    layout.dtype))
+                ring.all_reduce(across, seq, target[low:high], scratch)
             self._lines[rank][SUMMED] = self._chunks
             for r, connection in self.mesh.connections.items():
                 if self._lines[r][SUMMED] < self._chunks:

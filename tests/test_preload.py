@@ -82,7 +82,10 @@ def test_the_default_launch_preloads_unless_the_script_sets_tensorflows_environm
                            "--startup-timeout", "0", str(script)], env=env,
                           capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"[workers 0-1] {started}" in done.stdout, done.stdout  # both, shown once
+    # Both: shown once when they print within the console's window (0.25 s), which two
+    # fresh interpreters on 2 loaded cores may miss.
+    assert f"[workers 0-1] {started}" in done.stdout or all(
+        f"[worker {i}] {started}" in done.stdout for i in range(2)), done.stdout
     named = "workers start as fresh processes: " in done.stderr
     assert named == (started == "fresh"), done.stderr
     if started == "fresh":

@@ -1,7 +1,8 @@
 """The demo job: 2 local workers train a small classifier with MultiWorkerMirroredStrategy.
 
 Worker 1 is killed midway through the first attempt; the launcher restarts both and
-`callbacks.BackupAndRestore` resumes training from the last backup.
+`callbacks.BackupAndRestore` resumes training from the newest of its last backup and
+its in-memory snapshot.
 
 `make demo` / `tf-distrib demo` runs `main()`. `train()` is the per-worker job; the
 tests reuse it to check that multi-worker and single-process runs agree.
@@ -35,7 +36,8 @@ def train(epochs: int = 3, global_batch_size: int = 64, seed: int = 1,
         kill_at_step: Fault injection: on the launcher's first attempt, worker 1
             SIGKILLs itself after this many training steps. Defaults to None.
         backup_dir: Back up every 20 steps there with `callbacks.BackupAndRestore`,
-            and resume from it. Defaults to None (no backups).
+            and resume from it (or from its newer in-memory snapshot). Defaults to
+            None (no backups).
         data_dir: Read the shipped TFDS dataset `tf_distrib_blobs` prepared there
             (`tf_distrib.datasets.prepare`). Defaults to None: the same data from memory.
 

@@ -4,7 +4,7 @@
 tf_distrib.bench.pytorch_recovery DIR KILL_AFTER STEPS EPOCHS`: the MLP 784-1024-1024-10
 with Adam, 128 examples per worker per step; rank 0 saves model and optimizer with
 `torch.save` at each epoch's end (PyTorch's DDP tutorial); a restarted group loads it.
-On the first run rank 1 SIGKILLs itself after KILL_AFTER steps; the restarted ranks
+Before any restart rank 1 SIGKILLs itself after KILL_AFTER steps; the restarted ranks
 write the time of their first finished step and the step they resumed from, in
 `bench.recovery`'s files. Runs only where torch is installed.
 """

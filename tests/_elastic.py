@@ -8,7 +8,8 @@ NUM_EXAMPLES = 1024  # 16 steps of 64 per epoch
 GLOBAL_BATCH = 64
 
 
-def train(scratch, epochs=2, kill_at=None, slot_fails=(), step_seconds=0.0, save_freq=5):
+def train(scratch, epochs=2, kill_at=None, slot_fails=(), step_seconds=0.0, save_freq=5,
+          snapshot_freq="auto"):
     """Trains with BackupAndRestore; records, per epoch, how often each example was used.
 
     The labels are the examples' ids (the loss uses id % 4 as the class), so a metric can
@@ -20,6 +21,8 @@ def train(scratch, epochs=2, kill_at=None, slot_fails=(), step_seconds=0.0, save
         kill_at: On attempt 0, worker 1 SIGKILLs itself after this many steps.
         slot_fails: Attempts on which worker 1 exits with status 3 before it starts.
         step_seconds: Sleep after each step (a slower job, for the grow-back test).
+        snapshot_freq: BackupAndRestore's; in-memory snapshots hold no metrics, so a
+            resume from one restarts the interrupted epoch's counts at 0.
     """
     attempt = int(os.environ["TF_DISTRIB_ATTEMPT"])
     index = int(os.environ["TF_DISTRIB_WORKER_INDEX"])
@@ -82,7 +85,8 @@ def train(scratch, epochs=2, kill_at=None, slot_fails=(), step_seconds=0.0, save
             seen.append({"epoch": epoch, "min": float(counts.min()), "max": float(counts.max())})
 
     backup = td.callbacks.BackupAndRestore(os.path.join(scratch, "backup"),
-                                           save_freq=save_freq, delete_checkpoint=False)
+                                           save_freq=save_freq, delete_checkpoint=False,
+                                           snapshot_freq=snapshot_freq)
     history = model.fit(dataset, epochs=epochs, verbose=0, callbacks=[backup, Record()])
     summary = {"workers": workers, "attempt": attempt, "restored_step": backup.restored_step,
                "seen": seen, "loss": history.history["loss"]}

@@ -30,8 +30,8 @@ def test_a_slot_that_keeps_failing_is_dropped_and_the_job_finishes_on_fewer(tmp_
     # Attempt 2: 1 worker, same global batch, resumes from the backup (not from a newer
     # in-memory snapshot: the example counts below are a metric, which snapshots do not hold).
     result = launch(train, 2, args=(str(tmp_path),), kwargs={
-        "kill_at": 12, "slot_fails": (1, 2, 3), "snapshot_freq": None}, min_workers=1, max_restarts=3, quiet=True,
-        timeout=300)
+        "kill_at": 12, "slot_fails": (1, 2, 3), "snapshot_freq": None}, min_workers=1,
+        max_restarts=3, quiet=True, timeout=300)
     assert result.exit_code == 0, result.failure_report()
     assert [len(a.workers) for a in result.attempts] == [2, 2, 1]
     assert result.exit_codes[:2] == [[-9, -9], [-9, 3]] or result.exit_codes[1][1] == 3

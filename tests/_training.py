@@ -7,7 +7,8 @@ def train_with_backup(backup_dir, epochs=3, save_freq=10, kill_at=None, kill_wor
                       kill_with="SIGKILL", logical_cpus=None, num_examples=1024,
                       global_batch_size=32, slow_saves=None, shuffle_buffer=None,
                       repeat=False, kill_when_saved=False, late_watcher=False,
-                      snapshot_freq="auto", hosts_of_their_own=False, transport=None):
+                      snapshot_freq="auto", hosts_of_their_own=False, transport=None,
+                      compression=None):
     """Trains with BackupAndRestore; on the launcher's first attempt, worker
     `kill_worker` kills itself after `kill_at` steps. Returns weights and counters.
 
@@ -35,7 +36,7 @@ def train_with_backup(backup_dir, epochs=3, save_freq=10, kill_at=None, kill_wor
         _host_of_its_own()
     keras.utils.set_random_seed(1)
     tf.config.experimental.enable_op_determinism()
-    strategy = td.make_strategy(transport=transport)
+    strategy = td.make_strategy(transport=transport, compression=compression)
     x, y = make_data(num_examples)
     with strategy.scope():
         model = keras.Sequential([
@@ -101,7 +102,9 @@ def train_with_backup(backup_dir, epochs=3, save_freq=10, kill_at=None, kill_wor
             "strategy": type(strategy).__name__,
             "replicas": strategy.num_replicas_in_sync,
             "iterations": int(model.optimizer.iterations.numpy()),
-            "loss": history.history["loss"], "restored_step": backup.restored_step}
+            "loss": history.history["loss"], "restored_step": backup.restored_step,
+            "worker_state": sorted(td.cross_device.gradients.of_strategy(strategy).worker_state())
+            if compression else None}
 
 
 def _host_of_its_own():

@@ -200,9 +200,9 @@ def gradient_collectives(strategy, model):
     """
     import tensorflow as tf
 
-    from tf_distrib.strategy import optimizer_hooks
+    from tf_distrib.cross_device import gradients
 
-    reduce = optimizer_hooks.gradient_all_reduce(strategy)
+    reduce = gradients.of_strategy(strategy)
     if reduce is None:
         return None
     step = tf.function(lambda: strategy.run(

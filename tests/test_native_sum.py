@@ -119,7 +119,7 @@ def fit_with_sgd_fused_and_not():
     import tensorflow as tf
 
     import tf_distrib as td
-    from tf_distrib.strategy.optimizer_hooks import gradient_all_reduce
+    from tf_distrib.cross_device.gradients import of_strategy
     from tf_distrib.transport.native_sum import NativeSum
 
     traced = []
@@ -131,7 +131,7 @@ def fit_with_sgd_fused_and_not():
             return super().update_step(gradient, variable, learning_rate)
 
     strategy = td.make_strategy()
-    native = gradient_all_reduce(strategy).transport.native
+    native = of_strategy(strategy).transport.native
     rng = np.random.default_rng(0)
     x, y = rng.standard_normal((512, 20)).astype("float32"), rng.integers(0, 5, 512)
     data = td.data.distribute_dataset(strategy, tf.data.Dataset.from_tensor_slices((x, y)),

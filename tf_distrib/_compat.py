@@ -350,3 +350,9 @@ def local_value(variable):
     inner = getattr(variable, "_value", variable)
     inner = getattr(inner, "_primary", inner)
     return np.asarray(inner.read_value())
+
+
+def assign_local(variable, value) -> None:
+    """Assigns this worker's copy of a variable (a SyncOnRead one's, without the division
+    by the number of replicas that an assignment in cross-replica context makes)."""
+    getattr(variable, "_primary", variable).assign(value)

@@ -29,6 +29,7 @@ BENCHMARKS = {
     "startup": "tf_distrib.bench.startup",
     "monitoring": "tf_distrib.bench.monitoring",
     "recovery": "tf_distrib.bench.recovery",
+    "convergence": "tf_distrib.bench.convergence",
     "gpu": "tf_distrib.bench.gpu",
 }
 

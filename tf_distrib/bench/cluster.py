@@ -64,7 +64,9 @@ def _worker(store: str, rank: int, world: int, host: str, mode: str, dtype_name:
 # `fit` across the hosts: the scaling benchmark's job (tf_distrib.bench.scaling), one
 # worker per host pinned to its own core, against one worker alone on one core.
 FIT_SETTINGS = {"TF collective": {"transport": "tf"}, "tf_distrib": {},
-                "tf_distrib + bf16": {"compression": "bf16"}}
+                "tf_distrib + bf16": {"compression": "bf16"},
+                "tf_distrib + PowerSGD": {"compression": "powersgd"}}
+POWERSGD_RANK = 4  # DDP's powerSGD_hook's, as tf_distrib's default
 _PORT = 29400
 
 
@@ -78,20 +80,22 @@ def _fit_worker(settings_json: str) -> None:
     print(f"examples_per_sec={rate}", flush=True)
 
 
-def _ddp_worker(rank: str, world: str, master: str) -> None:
+def _ddp_worker(rank: str, world: str, master: str, powersgd_rank: str) -> None:
     """One PyTorch process of the scaling job on a simulated host; prints its measurement."""
     from tf_distrib.bench import pytorch_ddp, scaling
 
     os.environ.update(TF_DISTRIB_WORKER_INDEX=rank, TF_DISTRIB_NUM_WORKERS=world,
                       GLOO_SOCKET_IFNAME="eth0")
-    result = pytorch_ddp.train_worker(_PORT + 1, 60, scaling.PER_WORKER_BATCH, 1, "mlp", master)
+    result = pytorch_ddp.train_worker(_PORT + 1, 60, scaling.PER_WORKER_BATCH, 1, "mlp", master,
+                                      int(powersgd_rank) or None)
     print(f"examples_per_sec={result['examples_per_sec']}", flush=True)
 
 
-def _ddp_rate(hosts, world: int) -> float:
-    """Global examples/s of PyTorch DDP on the first `world` hosts, one process each."""
+def _ddp_rate(hosts, world: int, powersgd_rank: int = 0) -> float:
+    """Global examples/s of PyTorch DDP on the first `world` hosts, one process each
+    (with its `powerSGD_hook` at `powersgd_rank`, unless 0)."""
     processes = [hosts.run(i, [sys.executable, "-m", __name__, "ddp", str(i), str(world),
-                               hosts.addresses[0]], stdout=subprocess.PIPE,
+                               hosts.addresses[0], str(powersgd_rank)], stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True) for i in range(world)]
     outputs = [p.communicate(timeout=600)[0] for p in processes]
     if any(p.returncode for p in processes):
@@ -353,6 +357,8 @@ def _fit_rows(rows: list[dict]) -> list[dict]:
     for rate in RATES:
         passes: dict[str, list[float]] = {name: [] for name in runs}
         with simulated_hosts.SimulatedHosts(2, rate) as hosts:
+            if pytorch_ddp.available():
+                _ddp_powersgd(hosts, rate)
             for _ in range(PASSES):
                 for name, (measure, _) in runs.items():
                     passes[name].append(measure(hosts))
@@ -366,7 +372,8 @@ def _fit_rows(rows: list[dict]) -> list[dict]:
             # How much of the all-reduce hid behind computation: step time against one
             # worker's step plus the transport's all-reduce alone (its row).
             settings, hidden = FIT_SETTINGS.get(name), None  # settings None: PyTorch's
-            if settings is not None and settings.get("transport") != "tf":
+            if (settings is not None and settings.get("transport") != "tf"
+                    and settings.get("compression") != "powersgd"):
                 dtype = "bfloat16" if settings.get("compression") else "float32"
                 alone = next(r["seconds"] for r in rows if r["rate"] == rate and
                              r["hosts"] == 2 and r["per_host"] == 1 and r["dtype"] == dtype)
@@ -384,6 +391,20 @@ def _fit_rows(rows: list[dict]) -> list[dict]:
     if not pytorch_ddp.available():
         print("  (PyTorch DDP rows: torch is not installed)")
     return fit_rows
+
+
+def _ddp_powersgd(hosts, rate: str) -> None:
+    """Tries DDP's `powerSGD_hook` once: on gloo (CPU) it aborts (pytorch#58467)."""
+    try:
+        rate_seen = _ddp_rate(hosts, 2, POWERSGD_RANK)
+    except RuntimeError as e:
+        cause = next((line.strip() for line in str(e).splitlines() if "what()" in line),
+                     "it failed")
+        print(f"  {rate:>7} PyTorch DDP + powerSGD_hook (rank {POWERSGD_RANK}): aborts: "
+              f"{cause[:120]}", flush=True)
+    else:
+        print(f"  {rate:>7} PyTorch DDP + powerSGD_hook (rank {POWERSGD_RANK}): "
+              f"{rate_seen:.0f} examples/s (one pass)", flush=True)
 
 
 def _row(rate, n, per_host, dtype_name, runs: list[dict]) -> dict:
@@ -405,7 +426,7 @@ if __name__ == "__main__":
     elif sys.argv[1:2] == ["fit"]:
         _fit_worker(sys.argv[2])
     elif sys.argv[1:2] == ["ddp"]:
-        _ddp_worker(*sys.argv[2:5])
+        _ddp_worker(*sys.argv[2:6])
     else:
         print(json.dumps(run(None)))
     sys.exit(os.EX_OK)

@@ -34,7 +34,7 @@ def _model(torch, name: str):
 
 
 def train_worker(port: int, steps: int, batch: int, accumulation: int, model_name: str,
-                 master: str = "127.0.0.1") -> dict:
+                 master: str = "127.0.0.1", powersgd_rank: int | None = None) -> dict:
     """One PyTorch process of the job (gloo DDP when there are several), on one core.
 
     Args:
@@ -44,6 +44,8 @@ def train_worker(port: int, steps: int, batch: int, accumulation: int, model_nam
         accumulation: Micro-batches per step (DDP's `no_sync` on all but the last).
         model_name: "mlp" or "cnn".
         master: Rank 0's address. Defaults to "127.0.0.1".
+        powersgd_rank: DDP's `powerSGD_hook` at this rank, compressing from step 10 (the
+            warm-up epoch's). Defaults to None: no hook.
 
     Returns:
         The same fields as `tf_distrib.bench.scaling.train_worker`.
@@ -65,6 +67,12 @@ def train_worker(port: int, steps: int, batch: int, accumulation: int, model_nam
         dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank,
                                 world_size=world)
         model = torch.nn.parallel.DistributedDataParallel(model)
+        if powersgd_rank:
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+            model.register_comm_hook(powerSGD_hook.PowerSGDState(
+                None, matrix_approximation_rank=powersgd_rank, start_powerSGD_iter=10),
+                powerSGD_hook.powerSGD_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.rand(steps, batch, *((784,) if model_name == "mlp" else (3, 32, 32)))
     y = torch.randint(0, 10, (steps, batch))

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from tf_distrib import _compat, cluster, contract, data
 from tf_distrib._checks import check_int, is_int
-from tf_distrib.callbacks import shared_directory, snapshot_peers
+from tf_distrib.callbacks import shared_directory, snapshot_peers, worker_state
 from tf_distrib.callbacks.background_save import BackgroundSave
 from tf_distrib.callbacks.backup_store import BackupStore
 from tf_distrib.callbacks.host_snapshot import HostSnapshot
@@ -207,6 +207,12 @@ class BackupAndRestore(keras.callbacks.Callback):
         if directory is None or self.snapshot_freq is None:
             self._memory = self._cadence = None
             return
+        if worker_state.kept(strategy):
+            self._memory = self._cadence = None
+            if self.verbose and (not multi_worker or cluster.spec_of(strategy).is_chief):
+                print("BackupAndRestore: in-memory snapshots are off: they do not hold "
+                      "PowerSGD's per-worker error feedback; the backups have it.", flush=True)
+            return
         part, parts = contract.local_workers()
         # One subdirectory per backup_dir: another BackupAndRestore's state is not this one's.
         key = hashlib.sha1(os.path.abspath(self.backup_dir).encode()).hexdigest()[:16]
@@ -242,6 +248,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         # fit() reads this right after on_train_begin to choose its first epoch.
         _compat.set_initial_epoch(self.model, epoch)
         self._global_step = self.restored_step = manifest["step"]
+        worker_state.restore(self.model.distribute_strategy, arrays)
         # A snapshot holds no metrics (reading them is a collective): they restart at 0.
         deferred = ["metrics"] if step and not from_memory else []
         if self.model.built:
@@ -406,13 +413,14 @@ class BackupAndRestore(keras.callbacks.Callback):
         # and workers: every worker takes part), which keras.ops.convert_to_numpy cannot.
         # Those are collectives: the watchdog keeps watching them (a stuck peer).
         values = [(name, tf.convert_to_tensor(v.value)) for name, v in self._named_variables()]
+        per_worker = worker_state.gather(self.model.distribute_strategy)
         if not self._is_chief:
             return
         with watchdog.paused("saving a backup"):
             metadata = {"epoch": self._epoch, "step_in_epoch": self._step_in_epoch,
                         "steps_per_epoch": self.params.get("steps")}
             # np.asarray views a CPU tensor's buffer (read-only; .numpy() copies it).
-            arrays = [(name, np.asarray(t)) for name, t in values]
+            arrays = [(name, np.asarray(t)) for name, t in values] + per_worker
             what = self._writer.what
             waited = self._finish_job()  # its buffers are the ones copied into next
             if self._writer.busy:  # stalled past save_timeout, and still holds them

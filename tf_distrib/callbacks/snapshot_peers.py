@@ -68,7 +68,7 @@ def share(strategy, key: str, mine: tuple[dict, dict] | None, holders: list[bool
     if mine is not None and spec.training_tasks.index(spec.task) == source:
         np.concatenate([value.reshape(-1).view(np.uint8) for value in mine[1].values()],
                        out=blob[:size])
-    total = _sum(strategy, blob.view(np.int32), len(spec.training_tasks)).view(np.uint8)
+    total = exact_sum(strategy, blob.view(np.int32), len(spec.training_tasks)).view(np.uint8)
     arrays, position = {}, 0
     for name, dtype, shape in layout:
         end = position + int(np.prod(shape)) * dtype.itemsize
@@ -77,8 +77,8 @@ def share(strategy, key: str, mine: tuple[dict, dict] | None, holders: list[bool
     return received["manifest"], arrays
 
 
-def _sum(strategy, values: np.ndarray, workers: int) -> np.ndarray:
-    """`values` summed over the workers (integers: exact whatever the order)."""
+def exact_sum(strategy, values: np.ndarray, workers: int) -> np.ndarray:
+    """`values` (int32) summed over the workers: exact whatever the order; a collective."""
     transport = getattr(strategy, "transport", None)
     if transport is not None:
         [total] = graph_op.all_reduce(transport, [tf.constant(values)])

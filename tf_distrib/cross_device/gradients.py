@@ -27,16 +27,25 @@ from tf_distrib.cross_device.compression import (
     encode_for_sum,
     get_compressor,
 )
+from tf_distrib.cross_device.powersgd import PowerSGD, PowerSGDAllReduce
 from tf_distrib.transport import buffers, graph_op
 
 SUM = tf.distribute.ReduceOp.SUM
+# Attribute of a strategy made by make_strategy(): its GradientAllReduce, or None.
+ATTRIBUTE = "_tf_distrib_gradients"
+
+
+def of_strategy(strategy: tf.distribute.Strategy):
+    """The `GradientAllReduce` of a strategy from `make_strategy()`, or None."""
+    return getattr(strategy, ATTRIBUTE, None)
 
 
 class GradientAllReduce:
     """Sums gradients across all replicas: in buckets, compressed, by one collective each.
 
     Args:
-        compression: "bf16", "fp16", "none" or a `Compressor`. Defaults to None (none).
+        compression: "bf16", "fp16", "powersgd", "none", a `Compressor` or a
+            `PowerSGD` (which needs `transport`). Defaults to None (none).
         bucket_bytes: Largest bucket of consecutive gradients, in bytes (a larger
             gradient travels alone). Defaults to None: 25 MiB, PyTorch DDP's default,
             or on one host the largest bucket the transport sums in place in shared
@@ -48,8 +57,16 @@ class GradientAllReduce:
             to None: TensorFlow's collective (then each bucket is packed into one tensor).
     """
 
-    def __init__(self, compression: str | Compressor | None = None,
+    def __init__(self, compression: str | Compressor | PowerSGD | None = None,
                  bucket_bytes: int | None = None, transport=None):
+        if compression == "powersgd":
+            compression = PowerSGD()
+        self.powersgd = None
+        if isinstance(compression, PowerSGD):
+            # Checked by make_strategy before it connects a transport.
+            self.powersgd = None if transport is None else PowerSGDAllReduce(compression,
+                                                                             transport)
+            compression = None
         self.compressor = get_compressor(compression)
         self._first_bucket_bytes = bucketing.FIRST_BUCKET_BYTES if bucket_bytes is None else None
         if bucket_bytes is None:
@@ -58,6 +75,15 @@ class GradientAllReduce:
                 bucket_bytes = min(bucket_bytes, transport.in_place_bytes)
         self.bucket_bytes = check_int("bucket_bytes", bucket_bytes)
         self.transport = transport
+
+    def worker_state(self) -> dict:
+        """What `BackupAndRestore` saves of each worker besides the model: PowerSGD's."""
+        return {} if self.powersgd is None else self.powersgd.worker_state()
+
+    def load_worker_state(self, rows: dict, row: int) -> None:
+        """Restores `worker_state` from every worker's saved rows (see PowerSGD's)."""
+        if self.powersgd is not None:
+            self.powersgd.load_worker_state(rows, row)
 
     def sgd(self, learning_rate, grads: list, variables: list, momentum=None,
             velocities: list | None = None, nesterov: bool = False) -> bool:
@@ -79,7 +105,8 @@ class GradientAllReduce:
             cannot fuse it, and nothing ran.
         """
         native = None if self.transport is None else self.transport.native
-        if native is None or not isinstance(self.compressor, NoCompression) or any(
+        if native is None or self.powersgd is not None or not isinstance(
+                self.compressor, NoCompression) or any(
                 isinstance(t, tf.IndexedSlices) or t.dtype != tf.float32
                 for t in (*grads, *variables, *(velocities or ()))):
             return False
@@ -101,7 +128,16 @@ class GradientAllReduce:
             for i, g in zip(sparse, context.all_reduce(SUM, [grads[i] for i in sparse]),
                             strict=True):
                 results[i] = g
+        if self.powersgd is not None and dense:
+            float32 = [i for i in dense if grads[i].dtype == tf.float32]
+            dense = [i for i in dense if grads[i].dtype != tf.float32]
+            if float32:
+                for i, g in zip(float32, self.powersgd([grads[i] for i in float32]),
+                                strict=True):
+                    results[i] = g
         values = [grads[i] for i in dense]
+        if not values:
+            return results
         # Buckets go last layer first, the order backward computes them in: TF launches
         # one device's collectives in call order, and the transport chains them so.
         # Across hosts a small first bucket gives the network work early (DDP's schedule).

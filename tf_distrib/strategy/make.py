@@ -32,7 +32,8 @@ _MULTI_WORKER_STRATEGIES = itertools.count(1)
 
 
 def make_strategy(cross_device_ops: tf.distribute.CrossDeviceOps | None = None, *,
-                  compression: str | None = None, bucket_bytes: int | None = None,
+                  compression: str | cross_device.PowerSGD | None = None,
+                  bucket_bytes: int | None = None,
                   transport: str | None = None,
                   hang_timeout: float | None = None,
                   communication_timeout: float | None = None,
@@ -58,11 +59,13 @@ def make_strategy(cross_device_ops: tf.distribute.CrossDeviceOps | None = None, 
             Defaults to None: NCCL on GPUs, `ReductionToOneDevice` on CPUs.
             MWMS cannot take one (it only runs TF's collectives); passing one for a
             multi-worker cluster raises ValueError.
-        compression: Gradient compression: "bf16", "fp16" or None. On MirroredStrategy
+        compression: Gradient compression: "bf16", "fp16", "powersgd" (or a
+            `cross_device.PowerSGD` with its knobs) or None. On MirroredStrategy
             it wraps the cross-device op in `cross_device.CompressedAllReduce` (inside
             the buckets, when there are buckets); on MWMS
             it compresses `model.fit`'s gradient all-reduce (metrics stay exact).
-            Defaults to None.
+            PowerSGD, for workers on slow links, needs MWMS with tf_distrib's
+            transport. Defaults to None.
         bucket_bytes: Pack gradients into buckets of at most this many bytes, one
             collective each, last layer first (`cross_device.BucketedAllReduce` on
             MirroredStrategy). Defaults to None: no buckets on MirroredStrategy; on MWMS
@@ -145,6 +148,8 @@ def _checked(cross_device_ops, compression, bucket_bytes, transport, hang_timeou
         raise TypeError(f"cross_device_ops must be a tf.distribute.CrossDeviceOps, got "
                         f"{type(cross_device_ops).__name__}.")
     gradients.GradientAllReduce(compression, bucket_bytes)  # validates both
+    if _is_powersgd(compression) and transport == "tf":
+        raise ValueError(_POWERSGD_TRANSPORT.format("transport='tf'"))
     if hang_timeout is None:
         hang_timeout = contract.env_seconds(contract.ENV_HANG_TIMEOUT,
                                             watchdog_lib.DEFAULT_HANG_TIMEOUT)
@@ -171,6 +176,9 @@ def _multi_worker(spec, compression, bucket_bytes, transport, hang_timeout,
     strategy.transport = _connect_transport(strategy, spec, transport,
                                             min(startup_timeout, hang_timeout),
                                             communication_timeout, f"{keys}/transport")
+    if strategy.transport is None and _is_powersgd(compression):
+        raise ValueError(_POWERSGD_TRANSPORT.format(
+            "this cluster runs TensorFlow's collective (GPUs, or several devices per worker)"))
     reduce = None
     if strategy.transport is not None or compression is not None or bucket_bytes is not None:
         reduce = gradients.GradientAllReduce(compression, bucket_bytes, strategy.transport)
@@ -201,6 +209,12 @@ def _local(cross_device_ops, compression, bucket_bytes) -> tf.distribute.Strateg
         strategy = HostOneDeviceStrategy(devices[0].name)
         _mark(strategy)  # gradient_accumulation_steps, as on every strategy
         return strategy
+    if _is_powersgd(compression):
+        raise ValueError(
+            "compression='powersgd' compresses what workers send each other over a network; "
+            "this process's devices share its memory, where it would only cost time. Use "
+            "compression='bf16' (or None) for one host's devices; PowerSGD applies once the "
+            "job runs as several workers (tf-distrib launch, TF_CONFIG).")
     names = [d.name for d in devices]
     if cross_device_ops is None and not gpus:
         cross_device_ops = tf.distribute.ReductionToOneDevice(reduce_to_device=names[0])
@@ -215,6 +229,15 @@ def _local(cross_device_ops, compression, bucket_bytes) -> tf.distribute.Strateg
         strategy = HostMirroredStrategy(names, cross_device_ops=cross_device_ops)
     _mark(strategy)
     return strategy
+
+
+_POWERSGD_TRANSPORT = (
+    "compression='powersgd' runs on tf_distrib's transport, and {}. Leave transport= at "
+    "'auto' (or 'shm'/'tcp') with one CPU replica per worker, or use compression='bf16'.")
+
+
+def _is_powersgd(compression) -> bool:
+    return compression == "powersgd" or isinstance(compression, cross_device.PowerSGD)
 
 
 def _mark(strategy, gradient_all_reduce=None) -> None:

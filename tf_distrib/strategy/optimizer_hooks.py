@@ -19,9 +19,9 @@ import tensorflow as tf
 
 from tf_distrib import _compat
 from tf_distrib._checks import is_int
+from tf_distrib.cross_device import gradients
 
-# Attribute of a strategy made by make_strategy(): its GradientAllReduce, or None.
-_ATTRIBUTE = "_tf_distrib_gradients"
+_ATTRIBUTE = gradients.ATTRIBUTE
 _FEATURE = "make_strategy()'s gradient path"
 
 
@@ -37,11 +37,6 @@ def mark(strategy: tf.distribute.Strategy, gradient_all_reduce=None) -> None:
     setattr(strategy, _ATTRIBUTE, gradient_all_reduce)
 
 
-def gradient_all_reduce(strategy: tf.distribute.Strategy):
-    """The `GradientAllReduce` of a strategy from `make_strategy()`, or None."""
-    return getattr(strategy, _ATTRIBUTE, None)
-
-
 def install() -> None:
     """Routes the two optimizer methods (idempotent)."""
     _compat.patch_optimizer("_all_reduce_sum_gradients", _route_all_reduce, _FEATURE)
@@ -52,7 +47,7 @@ def install() -> None:
 
 def _route_all_reduce(original):
     def all_reduce_sum_gradients(self, grads_and_vars):
-        reduce = gradient_all_reduce(_compat.optimizer_strategy(self))
+        reduce = gradients.of_strategy(_compat.optimizer_strategy(self))
         if reduce is None or not tf.distribute.get_replica_context():
             return original(self, grads_and_vars)
         grads_and_vars = list(grads_and_vars)
@@ -81,7 +76,7 @@ def _fused_sgd(optimizer, grads, variables, learning_rate) -> bool:
         Whether it ran (else nothing did).
     """
     strategy = _compat.optimizer_strategy(optimizer)
-    reduce = gradient_all_reduce(strategy)
+    reduce = gradients.of_strategy(strategy)
     if reduce is None or not tf.distribute.get_replica_context() or not _is_sgd(optimizer):
         return False
     velocities, momentum = None, None

@@ -22,6 +22,13 @@ def test_which_gradients_travel_as_factors():
         PowerSGD(rank=0)
 
 
+def test_powersgd_without_tf_distribs_transport_is_refused_with_the_fix():
+    import tf_distrib as td
+
+    with pytest.raises(ValueError, match="runs on tf_distrib's transport.*transport='tf'"):
+        td.make_strategy(compression="powersgd", transport="tf")
+
+
 def powersgd_sums(directory, steps, mode):
     """Runs in each worker: `steps` PowerSGD all-reduces of fixed gradients, eagerly."""
     import tensorflow as tf
@@ -89,3 +96,20 @@ def test_a_killed_powersgd_job_resumes_bitwise_with_every_workers_residuals(tmp_
     for worker, ref in zip(result.workers, reference, strict=True):
         for got, want in zip(worker.value["weights"], ref.value["weights"], strict=True):
             np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.multiprocess
+def test_powersgd_with_gradient_accumulation_runs_its_two_rounds_once_per_update():
+    from tests._accumulation import STEPS_PER_EPOCH
+    from tests._accumulation import train as accumulate
+
+    steps = 4
+    a, b = (w.value for w in run_workers(accumulate, 2, args=(64, steps, "sgd"), kwargs={
+        "compression": PowerSGD(rank=2, start_step=0, min_size=0)}, quiet=True))
+    for wa, wb in zip(a["weights"], b["weights"], strict=True):
+        np.testing.assert_array_equal(wa, wb)
+    updates = 2 * STEPS_PER_EPOCH
+    assert a["updates"] == updates
+    # Every micro-step reduces its logged loss; every update the P and the Q factors.
+    assert a["collectives"] == updates * steps + 2 * updates
+    assert a["loss"][-1] < a["loss"][0]

@@ -5,9 +5,10 @@ all-reduce the benchmark MLP's gradient (7.4 MB of float32, and its bfloat16 hal
 row is the median over `PASSES` passes of the slowest worker's median over `REPEATS`.
 "link use" is the bytes a host sends per all-reduce over the time and the link rate.
 The cost model (`calibrate`, `predict`) is fitted on the 2-host rows and printed against
-the others. Then `fit` on 2 hosts x 1 worker (TensorFlow's collective, tf_distrib,
-tf_distrib with bf16, PyTorch DDP when installed) against one worker of the same
-framework, and how much of the all-reduce hid behind backward ("hidden").
+the others, and projected to 512 workers (also for PowerSGD). Then `fit` on 2 hosts x 1
+worker (TensorFlow's collective, tf_distrib, with bf16, with PowerSGD, PyTorch DDP when
+installed) against one worker of the same framework, and how much of the all-reduce hid
+behind backward ("hidden").
 Needs root (`SimulatedHosts`); skipped, naming what is missing, without it.
 """
 
@@ -243,6 +244,14 @@ def _across(workers: int, nbytes: float, elements: float) -> tuple[int, float, f
 # parameters) a GPU-class step of 0.2 s, where the network matters most.
 PROJECTED_MODELS = {"MLP": (GRADIENT_FLOATS, 0.0066), "ResNet-50": (25_600_000, 0.2)}
 PROJECTED_LINKS = {"10 Gbit/s": "10gbit", "25 Gbit/s": "25gbit", "100 Gbit/s": "100gbit"}
+# PowerSGD at rank 4 (`PowerSGD.compresses`): the floats of its two all-reduces (the P
+# factors with the gradients that travel whole, then the Q factors), counted on the MLP and
+# on keras.applications.ResNet50's weights (62x fewer than its 25.6M), and the seconds of
+# its arithmetic per gradient element: measured on this host's core for the MLP (4.5 ms
+# for 1.86M), and for ResNet-50 seven passes over float32 at a GPU's 2 TB/s.
+POWERSGD_ROUNDS = {"MLP": ((784 + 1024 + 1024) * 4 + 2058, (1024 + 1024 + 10) * 4),
+                   "ResNet-50": (300_404, 110_240)}
+POWERSGD_SECONDS_PER_ELEMENT = {"MLP": 2.4e-9, "ResNet-50": 7 * 4 / 2e12}
 PROJECTED_WORKERS = (2, 8, 64, 512)
 PER_HOST = 8
 
@@ -269,6 +278,28 @@ def project(model: dict) -> list[dict]:
                             efficiency[n] = compute / (compute + seconds / k)
                         rows.append({"model": name, "link": link, "scheme": scheme,
                                      "dtype": dtype, "K": k, "efficiency": efficiency})
+            rows += _project_powersgd(model, name, link, rate)
+    return rows
+
+
+def _project_powersgd(model: dict, name: str, link: str, rate: str) -> list[dict]:
+    """`project`'s rows for PowerSGD at rank 4, every step: its two all-reduces (flat and
+    hierarchical) and its arithmetic (`POWERSGD_SECONDS_PER_ELEMENT`)."""
+    floats, compute = PROJECTED_MODELS[name]
+    arithmetic = floats * POWERSGD_SECONDS_PER_ELEMENT[name]
+    rows = []
+    for scheme, per_host in (("flat", 1), ("hierarchical", PER_HOST)):
+        efficiency = {}
+        for n in PROJECTED_WORKERS:
+            if n % per_host:
+                continue
+            seconds = arithmetic + sum(predict(model, {
+                "rate": rate, "hosts": n // per_host, "per_host": per_host,
+                "mode": "shm+tcp" if per_host > 1 else "tcp", "dtype": "float32",
+                "bytes": round_floats * 4}) for round_floats in POWERSGD_ROUNDS[name])
+            efficiency[n] = compute / (compute + seconds)
+        rows.append({"model": name, "link": link, "scheme": scheme, "dtype": "PowerSGD4",
+                     "K": 1, "efficiency": efficiency})
     return rows
 
 
@@ -304,7 +335,7 @@ def run(options) -> dict:
         for p in projection:
             cells = " ".join(f"{p['efficiency'][n]:6.0%}" if n in p["efficiency"]
                              else f"{'-':>6}" for n in PROJECTED_WORKERS)
-            print(f"  {p['model']:<9} {p['link']:<10} {p['scheme']:<12} {p['dtype']:<8} "
+            print(f"  {p['model']:<9} {p['link']:<10} {p['scheme']:<12} {p['dtype']:<9} "
                   f"K={p['K']}: {cells}")
     return {"gradient_floats": GRADIENT_FLOATS, "repeats": REPEATS, "rows": rows,
             "model": model, "projection": projection, "fit": fit_rows}

@@ -82,6 +82,10 @@ class BackupAndRestore(keras.callbacks.Callback):
       steps since it; a host that lost its memory gets it from a peer
       (`snapshot_peers`). Each of a host's workers copies an equal share; a host
       holds at most 2x the state. A snapshot is not durable: the backups stay.
+      Under PowerSGD they are off (they do not hold its per-worker residuals).
+    - **Per-worker state**: what the gradient all-reduce keeps per worker (PowerSGD's
+      residuals) is saved as one row per worker (`worker_state`); each worker gets its
+      row back, so a resumed PowerSGD run stays bitwise equal to an uninterrupted one.
     - **Hang watchdog**: the chief's write pauses `tf_distrib.health.watchdog`; the
       collective reads of a save stay watched.
 

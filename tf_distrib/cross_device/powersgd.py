@@ -99,9 +99,9 @@ class PowerSGDAllReduce:
         sums = graph_op.all_reduce(
             self.transport, [tf.matmul(matrices[i], self._qs[i]) for i in compressed]
             + [grads[i] for i in whole])
-        results = dict(zip(whole, sums[len(compressed):], strict=True))
+        ps, results = sums[:len(compressed)], dict(zip(whole, sums[len(compressed):], strict=True))
         # Orthonormal columns spanning each summed P (Gram-Schmidt's, up to signs).
-        p_hats = {i: tf.linalg.qr(p)[0] for i, p in zip(compressed, sums, strict=False)}
+        p_hats = {i: tf.linalg.qr(p)[0] for i, p in zip(compressed, ps, strict=True)}
         # Round 2: the Qs.
         qs = graph_op.all_reduce(self.transport, [
             tf.matmul(matrices[i], p_hats[i], transpose_a=True) for i in compressed])

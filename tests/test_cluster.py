@@ -44,6 +44,7 @@ def test_chief_cluster():
     assert not worker0.is_chief
     assert spec.task == "chief:0" and worker0.task == "worker:0"
     assert spec.training_tasks == ["chief:0", "worker:0", "worker:1"]
+    assert spec.training_index == 0 and worker0.training_index == 1
 
 
 @pytest.mark.parametrize("value, field", [

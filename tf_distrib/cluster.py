@@ -121,6 +121,15 @@ class ClusterSpec:
                 for i in range(len(self.cluster.get(role, ())))]
 
     @property
+    def training_index(self) -> int:
+        """This task's position among `training_tasks` (its rank in the collectives).
+
+        Raises:
+            ValueError: this task does not train (an evaluator).
+        """
+        return self.training_tasks.index(self.task)
+
+    @property
     def is_chief(self) -> bool:
         """Whether this task saves checkpoints and writes summaries.
 

@@ -579,4 +579,4 @@ def _task_number(strategy) -> int:
     if strategy is None:
         return 0
     spec = cluster.spec_of(strategy)
-    return spec.training_tasks.index(spec.task)
+    return spec.training_index

@@ -65,7 +65,7 @@ def share(strategy, key: str, mine: tuple[dict, dict] | None, holders: list[bool
     size = sum(int(np.prod(shape)) * dtype.itemsize for _, dtype, shape in layout)
     blob = np.zeros(-(-size // 4) * 4, np.uint8)
     spec = cluster.spec_of(strategy)
-    if mine is not None and spec.training_tasks.index(spec.task) == source:
+    if mine is not None and spec.training_index == source:
         np.concatenate([value.reshape(-1).view(np.uint8) for value in mine[1].values()],
                        out=blob[:size])
     total = exact_sum(strategy, blob.view(np.int32), len(spec.training_tasks)).view(np.uint8)

@@ -30,7 +30,7 @@ def gather(strategy) -> list[tuple[str, np.ndarray]]:
         return []
     state = gradients.of_strategy(strategy).worker_state()
     spec = cluster.spec_of(strategy)
-    workers, row = len(spec.training_tasks), spec.training_tasks.index(spec.task)
+    workers, row = len(spec.training_tasks), spec.training_index
     sizes = [-(-value.nbytes // 4) * 4 for value in state.values()]
     blob = np.zeros((workers, sum(sizes)), np.uint8)
     position = 0
@@ -52,6 +52,5 @@ def restore(strategy, arrays: dict) -> None:
     rows = {name[len(PREFIX):]: value for name, value in arrays.items()
             if name.startswith(PREFIX)}
     if rows and kept(strategy):
-        spec = cluster.spec_of(strategy)
         gradients.of_strategy(strategy).load_worker_state(
-            rows, spec.training_tasks.index(spec.task))
+            rows, cluster.spec_of(strategy).training_index)

@@ -58,7 +58,7 @@ def test_a_failed_build_is_remembered_named_and_rebuilt_on_request(tmp_path):
         warnings.append(done.stderr)
     assert _runs(tmp_path) == 1
     for warning in warnings:
-        assert "the native all-reduce op is not used: it cannot be built" in warning
+        assert "the native ops are not used: it cannot be built" in warning
         assert "error: 'Tensor' was not declared in this scope" in warning
     assert "doctor --rebuild" in warnings[1]
     [failed] = [f for f in os.listdir(tmp_path / "cache") if f.endswith(".failed")]
@@ -68,7 +68,7 @@ def test_a_failed_build_is_remembered_named_and_rebuilt_on_request(tmp_path):
                              "--no-probe"], env=env, capture_output=True, text=True,
                             timeout=120)
     assert _runs(tmp_path) == 2
-    assert "native all-reduce op: unavailable" in doctor.stdout
+    assert "native ops: unavailable" in doctor.stdout
     assert "Python path" in doctor.stdout
 
 

@@ -29,8 +29,9 @@ def test_powersgd_without_tf_distribs_transport_is_refused_with_the_fix():
         td.make_strategy(compression="powersgd", transport="tf")
 
 
-def powersgd_sums(directory, steps, mode):
-    """Runs in each worker: `steps` PowerSGD all-reduces of fixed gradients, eagerly."""
+def powersgd_sums(directory, steps, mode, native_off=None):
+    """Runs in each worker: `steps` PowerSGD all-reduces of fixed gradients, eagerly; the
+    worker `native_off` may not use the native ops."""
     import tensorflow as tf
 
     from tf_distrib import transport
@@ -38,6 +39,8 @@ def powersgd_sums(directory, steps, mode):
 
     rank = int(os.environ["TF_DISTRIB_WORKER_INDEX"])
     world = int(os.environ["TF_DISTRIB_NUM_WORKERS"])
+    if rank == native_off:
+        os.environ["TF_DISTRIB_NATIVE_SUM"] = "0"
     t = transport.connect(rank, [f"worker:{r}" for r in range(world)], "127.0.0.1",
                           transport.FileStore(directory), secret=b"s", mode=mode, timeout=30)
     rng = np.random.default_rng(rank)
@@ -49,18 +52,22 @@ def powersgd_sums(directory, steps, mode):
     try:
         sums = [[np.array(s) for s in reduce([tf.constant(g) for g in grads.values()])]
                 for _ in range(steps)]
-        return {"grads": grads, "sums": sums, "state": reduce.worker_state()}
+        return {"grads": grads, "sums": sums, "state": reduce.worker_state(),
+                "native": t.op_library is not None}
     finally:
         t.close()
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("world, mode", [(2, "shm"), (3, "tcp")])
+@pytest.mark.parametrize("world, mode, native_off", [(2, "shm", None), (3, "tcp", 1)])
 def test_sums_are_equal_on_every_worker_and_error_feedback_loses_nothing(tmp_path, world,
-                                                                          mode):
+                                                                          mode, native_off):
     steps = 12
-    results = [w.value for w in run_workers(powersgd_sums, world,
-                                            args=(str(tmp_path), steps, mode), quiet=True)]
+    results = [w.value for w in run_workers(powersgd_sums, world, args=(
+        str(tmp_path), steps, mode, native_off), quiet=True)]
+    # The native ops and TensorFlow's round differently: one worker without them, and
+    # none uses them.
+    assert [r["native"] for r in results] == [native_off is None] * world
     for other in results[1:]:  # bitwise the same sums on every worker
         for mine, theirs in zip(results[0]["sums"], other["sums"], strict=True):
             for a, b in zip(mine, theirs, strict=True):

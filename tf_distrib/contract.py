@@ -41,9 +41,9 @@ ENV_TRANSPORT = "TF_DISTRIB_TRANSPORT"
 ENV_REPORT_DIR = "TF_DISTRIB_REPORT_DIR"
 #: The glibc mmap threshold the strategies keep (bytes; 0: TensorFlow's).
 ENV_MMAP_THRESHOLD = "TF_DISTRIB_MMAP_THRESHOLD"
-#: 0: the shared-memory transport keeps its Python path (no native op).
+#: 0: no native ops (the shared-memory transport's Python path, PowerSGD on TF's ops).
 ENV_NATIVE_SUM = "TF_DISTRIB_NATIVE_SUM"
-#: Where the native op's builds (and remembered failed builds) live.
+#: Where the native ops' builds (and remembered failed builds) live.
 ENV_CACHE_DIR = "TF_DISTRIB_CACHE_DIR"
 #: Where each worker writes its status for `tf-distrib top` (the launcher's log dir).
 ENV_STATUS_DIR = "TF_DISTRIB_STATUS_DIR"

@@ -46,9 +46,9 @@ def check(environ=None, devices: bool = True, probe_peers: bool = True,
     Args:
         environ: The environment to read. Defaults to `os.environ`.
         devices: Import TensorFlow to list devices and threads, and build (or find) the
-            native all-reduce op. Defaults to True.
+            native ops. Defaults to True.
         probe_peers: Try a TCP connection to each peer's port. Defaults to True.
-        rebuild: Build the native op again, forgetting a remembered failed build.
+        rebuild: Build the native ops again, forgetting a remembered failed build.
             Defaults to False.
     """
     env = os.environ if environ is None else environ
@@ -125,17 +125,17 @@ def _native_op(tf, rebuild: bool) -> str:
     from tf_distrib.transport import native_build, native_sum
 
     if not native_sum.enabled():
-        return (f"native all-reduce op: off ({contract.ENV_NATIVE_SUM}=0); the shared-memory "
-                "transport takes its Python path")
+        return (f"native ops: off ({contract.ENV_NATIVE_SUM}=0); the shared-memory transport "
+                "takes its Python path, PowerSGD TensorFlow's ops")
     try:
         path = native_build.library_path(
             [*tf.sysconfig.get_compile_flags(), *tf.sysconfig.get_link_flags()],
             tf.__version__, rebuild=rebuild)
         tf.load_op_library(path)
     except (OSError, tf.errors.OpError) as e:
-        return (f"native all-reduce op: unavailable ({e}); the shared-memory transport "
-                "takes its Python path")
-    return f"native all-reduce op: {path}; the shared-memory transport runs it"
+        return (f"native ops: unavailable ({e}); the shared-memory transport takes its "
+                "Python path, PowerSGD TensorFlow's ops")
+    return f"native ops: {path}; the shared-memory transport and PowerSGD run them"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-probe", action="store_true",
                         help="do not try to connect to the other tasks' ports")
     parser.add_argument("--rebuild", action="store_true",
-                        help="build the native all-reduce op again, forgetting a failed build")
+                        help="build the native ops again, forgetting a failed build")
     options = parser.parse_args(argv)
     lines, problems = check(devices=not options.no_devices, probe_peers=not options.no_probe,
                             rebuild=options.rebuild)

@@ -93,25 +93,22 @@ class PowerSGDAllReduce:
 
     def _compressed(self, grads: list[tf.Tensor], compressed: list[int]) -> list[tf.Tensor]:
         whole = [i for i in range(len(grads)) if i not in compressed]
-        matrices = {i: tf.reshape(grads[i], self._residuals[i].shape) + self._residuals[i]
-                    for i in compressed}
+        kernels = _Kernels(self.transport.op_library)
+        matrices, ps = kernels.project(
+            [tf.reshape(grads[i], self._residuals[i].shape) for i in compressed],
+            [self._residuals[i] for i in compressed], [self._qs[i] for i in compressed])
         # Round 1: the Ps, and the gradients that travel whole, in one all-reduce.
-        sums = graph_op.all_reduce(
-            self.transport, [tf.matmul(matrices[i], self._qs[i]) for i in compressed]
-            + [grads[i] for i in whole])
-        ps, results = sums[:len(compressed)], dict(zip(whole, sums[len(compressed):], strict=True))
-        # Orthonormal columns spanning each summed P (Gram-Schmidt's, up to signs).
-        p_hats = {i: tf.linalg.qr(p)[0] for i, p in zip(compressed, ps, strict=True)}
+        sums = graph_op.all_reduce(self.transport, list(ps) + [grads[i] for i in whole])
+        p_hats = kernels.orthonormalize(sums[:len(compressed)])
+        results = dict(zip(whole, sums[len(compressed):], strict=True))
         # Round 2: the Qs.
-        qs = graph_op.all_reduce(self.transport, [
-            tf.matmul(matrices[i], p_hats[i], transpose_a=True) for i in compressed])
+        qts = graph_op.all_reduce(self.transport, kernels.back(matrices, p_hats))
+        approximations, residuals = kernels.rebuild(
+            matrices, p_hats, qts, tf.constant(1.0 / self.transport.world, tf.float32))
         updates = []
-        workers = tf.constant(1.0 / self.transport.world, tf.float32)
-        for i, q in zip(compressed, qs, strict=True):
-            approximation = tf.matmul(p_hats[i], q, transpose_b=True)
-            # Each worker keeps its share of what the sum missed: they add up to it.
-            updates += [self._residuals[i].assign(matrices[i] - approximation * workers),
-                        self._qs[i].assign(q)]
+        for i, q, approximation, residual in zip(compressed, qts, approximations, residuals,
+                                                 strict=True):
+            updates += [self._residuals[i].assign(residual), self._qs[i].assign(q)]
             results[i] = tf.reshape(approximation, grads[i].shape)
         with tf.control_dependencies(updates):
             return [tf.identity(results[i]) for i in range(len(grads))]
@@ -126,7 +123,7 @@ class PowerSGDAllReduce:
                 n, m = int(np.prod(grads[i].shape[:-1])), int(grads[i].shape[-1])
                 # The same random start on every worker.
                 start = np.random.default_rng(i).standard_normal(
-                    (m, min(self.config.rank, n, m))).astype(np.float32)
+                    (min(self.config.rank, n, m), m)).astype(np.float32)
                 self._qs[i] = _local_variable(start, f"powersgd_q_{i}")
                 self._residuals[i] = _local_variable(np.zeros((n, m), np.float32),
                                                      f"powersgd_residual_{i}")
@@ -175,6 +172,43 @@ class PowerSGDAllReduce:
         variables.update({f"q/{i}": q for i, q in self._qs.items()})
         variables.update({f"residual/{i}": r for i, r in self._residuals.items()})
         return variables
+
+
+class _Kernels:
+    """PowerSGD's arithmetic on N matrices (each n x m, Q transposed: r x m): the native
+    ops of `powersgd_ops.cc` when every worker loaded them (the transport's
+    `op_library`), else TensorFlow's ops (other bits: all workers take the same path)."""
+
+    def __init__(self, op_library):
+        self._ops = op_library
+
+    def project(self, grads, residuals, qts):
+        """M = G + E and P = M Q, for each matrix."""
+        if self._ops is not None:
+            return self._ops.tf_distrib_power_sgd_project(grads, residuals, qts)
+        matrices = [g + e for g, e in zip(grads, residuals, strict=True)]
+        return matrices, [tf.matmul(m, q, transpose_b=True)
+                          for m, q in zip(matrices, qts, strict=True)]
+
+    def orthonormalize(self, ps):
+        """Orthonormal columns spanning each P (Gram-Schmidt's; QR's, up to signs)."""
+        if self._ops is not None:
+            return self._ops.tf_distrib_power_sgd_orthonormalize(ps)
+        return [tf.linalg.qr(p)[0] for p in ps]
+
+    def back(self, matrices, p_hats):
+        """Q' = M^T P̂, transposed, for each matrix."""
+        if self._ops is not None:
+            return self._ops.tf_distrib_power_sgd_back(matrices, p_hats)
+        return [tf.matmul(p, m, transpose_a=True) for m, p in zip(matrices, p_hats, strict=True)]
+
+    def rebuild(self, matrices, p_hats, qts, scale):
+        """The approximations P̂ Q'^T and the residuals M - approximation * scale."""
+        if self._ops is not None:
+            return self._ops.tf_distrib_power_sgd_rebuild(matrices, p_hats, qts, scale)
+        approximations = [tf.matmul(p, q) for p, q in zip(p_hats, qts, strict=True)]
+        return approximations, [m - a * scale
+                                for m, a in zip(matrices, approximations, strict=True)]
 
 
 def _local_variable(initial_value, name: str) -> tf.Variable:

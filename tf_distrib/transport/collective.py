@@ -152,8 +152,11 @@ class Transport:
         self._stats = Stats()
         self._python_waited = 0.0  # the Python path's waits already in `_stats`
         self.failure: TransportError | None = None
-        #: The native op bound to the segment (`native_sum.NativeSum`; `connect` binds it
-        #: when every worker can load it), or None.
+        #: The native ops' library (`native_sum.library()`), when every worker loaded it
+        #: (`connect` asks them all), else None.
+        self.op_library = None
+        #: Its all-reduce op bound to the segment (`native_sum.NativeSum`; "shm" only),
+        #: or None.
         self.native = None
         self._jobs: queue.SimpleQueue | None = None
         self._thread: threading.Thread | None = None
@@ -413,22 +416,26 @@ def connect(rank: int, tasks: list[str], host: str, store: Store, *,
         raise TransportError(f"transport='shm' is not possible here: {why}. Use 'auto' or "
                              "'tcp'.")
     transport = Transport(mesh, segment, hosts)
-    if transport.mode == "shm" and transport.in_place_bytes is not None:
-        _bind_native(transport, segment, store, prefix, timeout)
+    transport.op_library = _agreed_op_library(transport, store, prefix, timeout)
+    if (transport.op_library is not None and transport.mode == "shm"
+            and transport.in_place_bytes is not None):
+        transport.native = native_sum.NativeSum(transport, segment, transport.op_library)
     return transport
 
 
-def _bind_native(transport: Transport, segment: SharedSegment, store: Store, prefix: str,
-                 timeout: float) -> None:
-    """Gives `transport` the native op if every worker can load it (they all agree).
+def _agreed_op_library(transport: Transport, store: Store, prefix: str, timeout: float):
+    """The native ops' library if every worker can load it, else None (they all agree):
+    PowerSGD's kernels round otherwise than TensorFlow's ops, and every worker must
+    rebuild the same bits.
 
-    Only where TensorFlow is imported already: the op serves TensorFlow's graphs.
+    Only where TensorFlow is imported already: the ops serve TensorFlow's graphs.
     """
     library = (native_sum.library() if native_sum.enabled() and "tensorflow" in sys.modules
                else None)
     store.set(f"{prefix}/native/{transport.rank}", "1" if library is not None else "0")
     if all(store.get(f"{prefix}/native/{r}", timeout) == "1" for r in range(transport.world)):
-        transport.native = native_sum.NativeSum(transport, segment, library)
+        return library
+    return None
 
 
 def _by_host(mesh: Mesh) -> dict[str, list[int]]:

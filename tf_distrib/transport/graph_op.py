@@ -85,19 +85,6 @@ def all_reduce_buckets(transport: Transport, buckets: list[list[tf.Tensor]]) -> 
             for ticket, bucket in zip(tickets, buckets, strict=True)]
 
 
-def ordered_numpy(transport: Transport, function, inputs: list, dtypes: list) -> list:
-    """`function(seq, *arrays)` as a `tf.numpy_function` in the transport's order: for
-    work that runs its own collectives (`transport.all_reduce(..., seq=seq)`, once).
-
-    Returns:
-        Its outputs, one tensor per dtype of `dtypes` (shapes unknown).
-    """
-    outputs = _ordered(transport, lambda ticket: tf.numpy_function(
-        lambda number, *arrays: function(int(number), *arrays), [ticket, *inputs], dtypes,
-        stateful=True, name="tf_distrib_ordered"))
-    return outputs if isinstance(outputs, (list, tuple)) else [outputs]
-
-
 def _ordered(transport: Transport, collective):
     """Runs `collective(ticket)` after the transport's previous collective op."""
     prepare(transport)

@@ -1,6 +1,8 @@
-"""Builds the native all-reduce op once per machine and remembers a failed build.
+"""Builds the native ops once per machine and remembers a failed build.
 
-The op (`native_sum.cc`) is compiled against the installed TensorFlow on first use, into
+The ops (`native_sum.cc`: the shared-memory all-reduce; `cross_device/powersgd_ops.cc`:
+PowerSGD's arithmetic) are compiled into one library against the installed TensorFlow
+on first use, into
 `TF_DISTRIB_CACHE_DIR` (default `$XDG_CACHE_HOME/tf_distrib`, else ~/.cache/tf_distrib).
 Its cache key covers the source, TensorFlow's version and flags, the compiler (path,
 size, modification time), the machine and the C library, so a shared home directory
@@ -22,7 +24,9 @@ import time
 
 from tf_distrib import contract
 
-SOURCE = os.path.join(os.path.dirname(__file__), "native_sum.cc")
+_PACKAGE = os.path.dirname(os.path.dirname(__file__))
+SOURCES = (os.path.join(_PACKAGE, "transport", "native_sum.cc"),
+           os.path.join(_PACKAGE, "cross_device", "powersgd_ops.cc"))
 # A first build takes ~10 s on one core; its peers wait for it (`connect`'s timeout).
 BUILD_TIMEOUT_SECONDS = 60.0
 # No fused multiply-adds: the op's SGD step rounds as TensorFlow's multiply and subtract.
@@ -91,10 +95,12 @@ def library_path(flags: list[str], tf_version: str, *, rebuild: bool = False) ->
 
 def _key(cxx: str, flags: list[str], tf_version: str) -> str:
     """What decides whether a built library (or a failure) still holds, as 16 hex digits."""
-    with open(SOURCE, "rb") as f:
-        source = f.read()
+    sources = []
+    for source in SOURCES:
+        with open(source, "rb") as f:
+            sources.append(f.read())
     stat = os.stat(cxx)
-    parts = [source, tf_version, os.path.realpath(cxx), stat.st_size, stat.st_mtime_ns,
+    parts = [*sources, tf_version, os.path.realpath(cxx), stat.st_size, stat.st_mtime_ns,
              platform.machine(), *platform.libc_ver(), *flags]
     return hashlib.sha256(b"\0".join(p if isinstance(p, bytes) else str(p).encode()
                                      for p in parts)).hexdigest()[:16]
@@ -104,13 +110,13 @@ def _compile(cxx: str, flags: list[str], path: str) -> str | None:
     """Compiles the op into `path`; None when it did, else why not (its first error line)."""
     partial = f"{path}.{os.getpid()}.tmp"
     try:
-        done = subprocess.run([cxx, SOURCE, "-o", partial, *flags], capture_output=True,
+        done = subprocess.run([cxx, *SOURCES, "-o", partial, *flags], capture_output=True,
                               text=True, timeout=BUILD_TIMEOUT_SECONDS)
         if done.returncode != 0:
             lines = done.stderr.strip().splitlines()
             first = next((line for line in lines if "error" in line.lower()),
                          lines[0] if lines else "no output")
-            return (f"{os.path.basename(cxx)} failed to compile native_sum.cc (exit status "
+            return (f"{os.path.basename(cxx)} failed to compile the native ops (exit status "
                     f"{done.returncode}): {first.strip()}")
         os.replace(partial, path)
         return None

@@ -86,9 +86,9 @@ def library():
 
 def _without_the_op(cause: str) -> None:
     warnings.warn(
-        f"tf_distrib: the native all-reduce op is not used: {cause}. The shared-memory "
-        "transport keeps its Python path (~0.5 ms more CPU per step for 7 MB of "
-        f"gradients); set {contract.ENV_NATIVE_SUM}=0 to silence this.", RuntimeWarning,
+        f"tf_distrib: the native ops are not used: {cause}. The shared-memory transport "
+        "keeps its Python path (~0.5 ms more CPU per step for 7 MB of gradients), PowerSGD "
+        f"TensorFlow's ops; set {contract.ENV_NATIVE_SUM}=0 to silence this.", RuntimeWarning,
         stacklevel=3)
 
 

@@ -93,7 +93,8 @@ def _rows(model):
 def test_the_cost_model_recovers_the_constants_it_was_measured_with():
     from tf_distrib.bench import cluster
 
-    truth = {"a": cluster.ROUND_SECONDS, "e": 0.95, "c": 5e-10, "d": 2e-9, "s": 1e-9}
+    truth = {"a": cluster.ROUND_SECONDS, "e": 0.95, "c": 5e-10, "d": 2e-9, "w": 1e-9,
+             "s": 1e-9}
     model = cluster.calibrate(_rows(truth), cores=2)
     # Three hosts, never calibrated on: predicted as the true constants predict it.
     row = {"rate": "10gbit", "hosts": 3, "per_host": 1, "mode": "tcp", "dtype": "float32",
@@ -105,7 +106,8 @@ def test_the_cost_model_recovers_the_constants_it_was_measured_with():
 def test_the_cost_model_says_when_it_has_no_fit():
     from tf_distrib.bench import cluster
 
-    rows = _rows({"a": cluster.ROUND_SECONDS, "e": 1.0, "c": 0.0, "d": 0.0, "s": 0.0})
+    rows = _rows({"a": cluster.ROUND_SECONDS, "e": 1.0, "c": 0.0, "d": 0.0, "w": 0.0,
+                  "s": 0.0})
     for row in rows:
         row["seconds"] *= 0.5  # faster than the link alone: only negative constants fit
     with pytest.raises(ValueError, match="no fit with non-negative constants"):
@@ -115,12 +117,14 @@ def test_the_cost_model_says_when_it_has_no_fit():
 def test_a_cluster_run_whose_rows_fit_no_model_goes_on_without_predictions(capsys):
     from tf_distrib.bench import cluster
 
-    truth = {"a": cluster.ROUND_SECONDS, "e": 0.95, "c": 5e-10, "d": 2e-9, "s": 1e-9}
+    truth = {"a": cluster.ROUND_SECONDS, "e": 0.95, "c": 5e-10, "d": 2e-9, "w": 1e-9,
+             "s": 1e-9}
     rows = _rows(truth)
     assert cluster._model(rows, cores=2) is not None
     assert all("predicted_seconds" in row for row in rows)
 
-    rows = _rows({"a": cluster.ROUND_SECONDS, "e": 1.0, "c": 0.0, "d": 0.0, "s": 0.0})
+    rows = _rows({"a": cluster.ROUND_SECONDS, "e": 1.0, "c": 0.0, "d": 0.0, "w": 0.0,
+                  "s": 0.0})
     for row in rows:
         row["seconds"] *= 0.5
     assert cluster._model(rows, cores=2) is None

@@ -154,63 +154,129 @@ ROUND_SECONDS = 2.0e-4
 
 
 def calibrate(rows: list[dict], cores: int) -> dict:
-    """The cost model's constants from the rows of 2 hosts.
+    """The cost model's constants from measured rows.
 
     An all-reduce of B bytes (E elements) over H hosts on links of R bytes/s takes
 
-        t = L / (e R) + o (S a + c T + d U + s M)
+        t = L / (e R) + S a + max(C, o C - (o - 1) / o L / (e R)),
+        C = c T + d U + w W + s M
 
     A flat ring of N workers: S = 2(N-1) rounds of messages, L = 2(N-1)/N B sent over
     each host's link, T = L bytes sent (and received) by each worker's TCP, U = (N-1)/N E
     elements summed by each worker, M = 0. Hierarchical (P workers per host, P rings of
     H hosts): S = 2(H-1), L = 2(H-1)/H B, T = L / P, U = (H-1)/H E / P in the ring plus
     (P-1)/P E in the host's shared memory (each worker sums its 1/P of the P workers'
-    gradients), and M = B bytes through the host's shared memory. o: processes per core, at
-    least 1 (3 or 4 simulated hosts share this machine's cores; a round is a hand-off
-    between processes, and one that shares a core waits for it too). a: seconds per round (a
-    round trip and thread hand-offs: `ROUND_SECONDS`, measured apart), e: the share of the
-    link's rate the TCP streams reach, c: CPU seconds per byte (copies, the kernel's TCP),
-    d: per element summed (bfloat16 is summed in float32), s: per byte of shared memory. e
-    by a grid, (c, d, s) by least squares on the relative error, none negative.
+    gradients), and M = B bytes through the host's shared memory. W = U for 16-bit
+    floats (summed in float32: the casts), else 0. C is a worker's CPU time; o, the
+    processes per core (at least 1; 3 or 4 simulated hosts share this machine's cores),
+    makes a worker wait for the CPU time of those that share its core, less what runs
+    while it waits for its own link. a: seconds per round (a round trip and thread
+    hand-offs: `ROUND_SECONDS`, measured apart), e: the share of the link's rate the TCP
+    streams reach, c: CPU seconds per byte (copies, the kernel's TCP), d: per element
+    summed, w: more per 16-bit element, s: per byte of shared memory. e by a grid,
+    (c, d, w, s) by least squares on the relative error, none negative.
 
     Args:
         rows: Measured rows ("rate", "hosts", "per_host", "mode", "dtype", "bytes",
             "seconds").
         cores: The cores the simulated hosts shared.
+
+    Raises:
+        ValueError: no non-negative constants fit the rows; the message says what to do.
     """
     import numpy as np
 
     measured = np.array([r["seconds"] for r in rows])
     best = None
     for e in np.linspace(0.85, 1.15, 31):
-        terms = [_terms(r, e, cores) for r in rows]
-        linear = np.array([t[0][1:] for t in terms]) / measured[:, None]
-        rest = (measured - np.array([t[1] + ROUND_SECONDS * t[0][0] for t in terms])) / measured
-        coefficients, *_ = np.linalg.lstsq(linear, rest, rcond=None)
-        if (coefficients < 0).any():
+        constants = _least_squares(rows, float(e), cores, measured)
+        if constants is None:
             continue
-        worst = np.max(np.abs(linear @ coefficients - rest))
+        model = {"a": ROUND_SECONDS, "e": float(e), **constants}
+        worst = max(abs(predict(model, r, cores) / r["seconds"] - 1) for r in rows)
         if best is None or worst < best[0]:
-            best = (worst, e, coefficients)
+            best = (worst, model)
     if best is None:
         raise ValueError(
             f"The cost model has no fit with non-negative constants to these {len(rows)} "
             "rows (a slower run with less data than the time it takes?). Calibrate on "
-            "every 2-host row of one `tf-distrib bench cluster` run.")
-    _, e, (c, d, s) = best
-    return {"a": ROUND_SECONDS, "e": float(e), "c": float(c), "d": float(d), "s": float(s)}
+            "every row of one `tf-distrib bench cluster` run.")
+    return best[1]
+
+
+_CONSTANTS = ("c", "d", "w", "s")
+LAWSON_ITERATIONS = 50
+
+
+def _least_squares(rows: list[dict], e: float, cores: int, measured) -> dict | None:
+    """(c, d, w, s) for link share `e` that make the worst relative error least, none
+    negative; None where every one would be. The max() of `calibrate`'s model is linear
+    in them once each row's side is known: start with every row's shared side, refit
+    until no row changes side. Each fit is Lawson's: least squares reweighted by each
+    row's error, which tends to the least worst error."""
+    import numpy as np
+
+    sides = [True] * len(rows)
+    for _ in range(len(rows) + 1):
+        features, fixed = [], []
+        for row, shared in zip(rows, sides, strict=True):
+            cpu, link, rounds, over = _terms(row, e, cores)
+            factor = over if shared else 1.0
+            features.append([factor * v for v in cpu])
+            fixed.append(link + ROUND_SECONDS * rounds
+                         - (over - 1) / over * link * shared)
+        a = np.array(features) / measured[:, None]
+        b = (measured - np.array(fixed)) / measured
+        weights = np.full(len(rows), 1.0 / len(rows))
+        for _ in range(LAWSON_ITERATIONS):
+            root = np.sqrt(weights)[:, None]
+            coefficients = _non_negative(a * root, b * root[:, 0])
+            if coefficients is None:
+                return None
+            errors = np.abs(a @ coefficients - b)
+            if not errors.any():
+                break
+            weights = weights * errors / (weights * errors).sum()
+        constants = dict(zip(_CONSTANTS, (float(k) for k in coefficients), strict=True))
+        now = []
+        for row in rows:
+            cpu, link, _, over = _terms(row, e, cores)
+            busy = sum(constants[k] * v for k, v in zip(_CONSTANTS, cpu, strict=True))
+            now.append(over * busy - (over - 1) / over * link > busy)
+        if now == sides:
+            break
+        sides = now
+    return constants
+
+
+def _non_negative(a, b):
+    """x >= 0 minimising |a x - b| (columns of negative weight dropped, most negative
+    first), or None when none is left."""
+    import numpy as np
+
+    free = list(range(a.shape[1]))
+    while free:
+        x, *_ = np.linalg.lstsq(a[:, free], b, rcond=None)
+        if (x >= 0).all():
+            if not x.any():
+                return None
+            out = np.zeros(a.shape[1])
+            out[free] = x
+            return out
+        free.pop(int(np.argmin(x)))
+    return None
 
 
 def predict(model: dict, row: dict, cores: int | None = None) -> float:
     """Seconds of one all-reduce of `row` ("rate", "hosts", "per_host", "mode", "dtype",
     "bytes") by the model; `cores` shared by every process (None: each host its own)."""
-    linear, link = _terms(row, model["e"], cores)
-    return link + sum(k * v for k, v in zip((model["a"], model["c"], model["d"], model["s"]),
-                                            linear, strict=True))
+    cpu, link, rounds, over = _terms(row, model["e"], cores)
+    busy = sum(model[k] * v for k, v in zip(_CONSTANTS, cpu, strict=True))
+    return link + model["a"] * rounds + max(busy, over * busy - (over - 1) / over * link)
 
 
-def _terms(row: dict, e: float, cores: int | None) -> tuple[list[float], float]:
-    """([o S, o T, o U, o M], L / (e R)) of `calibrate`'s model for one row."""
+def _terms(row: dict, e: float, cores: int | None) -> tuple[list[float], float, int, float]:
+    """([T, U, W, M], L / (e R), S, o) of `calibrate`'s model for one row."""
     hosts, per_host, nbytes = row["hosts"], row["per_host"], row["bytes"]
     hierarchical = row["mode"] == "shm+tcp"
     ring, share = (hosts, per_host) if hierarchical else (hosts * per_host, 1)
@@ -220,8 +286,9 @@ def _terms(row: dict, e: float, cores: int | None) -> tuple[list[float], float]:
     sent *= share  # each host's P rings share its link
     if hierarchical:
         summed += (per_host - 1) / per_host * elements  # and in its host's shared memory
-    return ([over * rounds, over * sent / share, over * summed,
-             over * nbytes if hierarchical else 0.0], sent / (e * _BITS[row["rate"]] / 8))
+    narrow = summed if DTYPES[row["dtype"]] < 4 else 0.0
+    return ([sent / share, summed, narrow, nbytes if hierarchical else 0.0],
+            sent / (e * _BITS[row["rate"]] / 8), rounds, over)
 
 
 def _across(workers: int, nbytes: float, elements: float) -> tuple[int, float, float]:
@@ -247,11 +314,11 @@ PROJECTED_LINKS = {"10 Gbit/s": "10gbit", "25 Gbit/s": "25gbit", "100 Gbit/s": "
 # PowerSGD at rank 4 (`PowerSGD.compresses`): the floats of its two all-reduces (the P
 # factors with the gradients that travel whole, then the Q factors), counted on the MLP and
 # on keras.applications.ResNet50's weights (62x fewer than its 25.6M), and the seconds of
-# its arithmetic per gradient element: measured on this host's core for the MLP (4.5 ms
-# for 1.86M), and for ResNet-50 seven passes over float32 at a GPU's 2 TB/s.
+# its arithmetic per gradient element: measured on this host's core for the MLP (3.6 ms
+# for 1.86M, the native ops), and for ResNet-50 seven passes over float32 at a GPU's 2 TB/s.
 POWERSGD_ROUNDS = {"MLP": ((784 + 1024 + 1024) * 4 + 2058, (1024 + 1024 + 10) * 4),
                    "ResNet-50": (300_404, 110_240)}
-POWERSGD_SECONDS_PER_ELEMENT = {"MLP": 2.4e-9, "ResNet-50": 7 * 4 / 2e12}
+POWERSGD_SECONDS_PER_ELEMENT = {"MLP": 1.9e-9, "ResNet-50": 7 * 4 / 2e12}
 PROJECTED_WORKERS = (2, 8, 64, 512)
 PER_HOST = 8
 
@@ -342,24 +409,36 @@ def run(options) -> dict:
 
 
 def _model(rows: list[dict], cores: int) -> dict | None:
-    """The cost model calibrated on the 2-host `rows`, each row given its prediction; or
-    None, said why, when no constants fit them (a pass that this VM slowed down can make
-    more bytes take less time): the measured rows and the `fit` rows still stand."""
+    """The cost model calibrated on every row, each row given its prediction, and how
+    well the 2-host rows alone predict the others; or None, said why, when no constants
+    fit (a pass that this VM slowed down can make more bytes take less time): the
+    measured rows and the `fit` rows still stand."""
     try:
-        model = calibrate([r for r in rows if r["hosts"] == 2], cores)
+        model = calibrate(rows, cores)
     except ValueError as e:
         print(f"cost model: not fitted, so no predictions or projections: {e}")
         return None
-    print(f"cost model from the 2-host rows: a = {model['a'] * 1e6:.0f} us per round, "
-          f"e = {model['e']:.0%} of the link, c = {model['c'] * 1e9:.2f} ns/byte and "
-          f"d = {model['d'] * 1e9:.2f} ns/element of CPU, shared memory "
-          f"{model['s'] * 1e9:.2f} ns/byte")
+    print(f"cost model from every row: a = {model['a'] * 1e6:.0f} us per round, "
+          f"e = {model['e']:.0%} of the link, c = {model['c'] * 1e9:.2f} ns/byte, "
+          f"d = {model['d'] * 1e9:.2f} ns/element (16-bit: {model['w'] * 1e9:+.2f}) of CPU, "
+          f"shared memory {model['s'] * 1e9:.2f} ns/byte")
+    two = [r for r in rows if r["hosts"] == 2]
+    others = [r for r in rows if r["hosts"] != 2]
+    try:
+        from_two = calibrate(two, cores) if others else None
+    except ValueError:
+        from_two = None
     for r in rows:
         r["predicted_seconds"] = predict(model, r, cores)
         print(f"  {r['rate']:>7} {r['hosts']}x{r['per_host']} {r['mode']:>8} {r['dtype']:>9}: "
               f"measured {r['seconds'] * 1e3:6.1f} ms, predicted "
               f"{r['predicted_seconds'] * 1e3:6.1f} ms "
               f"({r['predicted_seconds'] / r['seconds'] - 1:+.0%})")
+    if from_two is not None:
+        errors = [predict(from_two, r, cores) / r["seconds"] - 1 for r in others]
+        model["held_out_worst"] = max(errors, key=abs)
+        print(f"calibrated on the 2-host rows alone, it predicts the {len(others)} others "
+              f"within {abs(model['held_out_worst']):.0%}")
     return model
 
 

@@ -68,6 +68,7 @@ FIT_SETTINGS = {"TF collective": {"transport": "tf"}, "tf_distrib": {},
                 "tf_distrib + bf16": {"compression": "bf16"},
                 "tf_distrib + PowerSGD": {"compression": "powersgd"}}
 POWERSGD_RANK = 4  # DDP's powerSGD_hook's, as tf_distrib's default
+DDP_POWERSGD_TIMEOUT = 120.0
 _PORT = 29400
 
 
@@ -92,13 +93,22 @@ def _ddp_worker(rank: str, world: str, master: str, powersgd_rank: str) -> None:
     print(f"examples_per_sec={result['examples_per_sec']}", flush=True)
 
 
-def _ddp_rate(hosts, world: int, powersgd_rank: int = 0) -> float:
+def _ddp_rate(hosts, world: int, powersgd_rank: int = 0, timeout: float = 600.0) -> float:
     """Global examples/s of PyTorch DDP on the first `world` hosts, one process each
-    (with its `powerSGD_hook` at `powersgd_rank`, unless 0)."""
+    (with its `powerSGD_hook` at `powersgd_rank`, unless 0); RuntimeError if a process
+    fails or the run takes over `timeout` seconds."""
     processes = [hosts.run(i, [sys.executable, "-m", __name__, "ddp", str(i), str(world),
                                hosts.addresses[0], str(powersgd_rank)], stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True) for i in range(world)]
-    outputs = [p.communicate(timeout=600)[0] for p in processes]
+    deadline = time.monotonic() + timeout
+    try:
+        outputs = [p.communicate(timeout=max(0.0, deadline - time.monotonic()))[0]
+                   for p in processes]
+    except subprocess.TimeoutExpired:
+        for p in processes:
+            p.kill()
+            p.communicate()
+        raise RuntimeError(f"a PyTorch run hung: no end within {timeout:g} s") from None
     if any(p.returncode for p in processes):
         raise RuntimeError("a PyTorch run failed:\n" + "\n".join(o[-3000:] for o in outputs))
     return float(outputs[0].rsplit("examples_per_sec=", 1)[1].split()[0])
@@ -504,13 +514,14 @@ def _fit_rows(rows: list[dict]) -> list[dict]:
 
 
 def _ddp_powersgd(hosts, rate: str) -> None:
-    """Tries DDP's `powerSGD_hook` once: on gloo (CPU) it aborts (pytorch#58467)."""
+    """Tries DDP's `powerSGD_hook` once: on gloo (CPU) it aborts (pytorch#58467), or
+    hangs (a DDP run of the benchmark takes 10-20 s)."""
     try:
-        rate_seen = _ddp_rate(hosts, 2, POWERSGD_RANK)
+        rate_seen = _ddp_rate(hosts, 2, POWERSGD_RANK, timeout=DDP_POWERSGD_TIMEOUT)
     except RuntimeError as e:
-        cause = next((line.strip() for line in str(e).splitlines() if "what()" in line),
-                     "it failed")
-        print(f"  {rate:>7} PyTorch DDP + powerSGD_hook (rank {POWERSGD_RANK}): aborts: "
+        cause = next((line.strip() for line in str(e).splitlines()
+                      if "what()" in line or "hung" in line), "it failed")
+        print(f"  {rate:>7} PyTorch DDP + powerSGD_hook (rank {POWERSGD_RANK}): fails: "
               f"{cause[:120]}", flush=True)
     else:
         print(f"  {rate:>7} PyTorch DDP + powerSGD_hook (rank {POWERSGD_RANK}): "

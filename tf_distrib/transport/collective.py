@@ -403,8 +403,11 @@ def connect(rank: int, tasks: list[str], host: str, store: Store, *,
         if rank == 0:
             store.set(f"{prefix}/secret", secrets.token_hex(32))
         secret = store.get(f"{prefix}/secret", timeout).encode()
+    # Loaded (built, the first time on a machine) before this worker publishes itself.
+    library = _op_library()
     mesh = Mesh(rank, tasks, host, store, prefix, secret, timeout=timeout,
-                peer_timeout=peer_timeout, extra={"host_id": _host_id(shm_directory)})
+                peer_timeout=peer_timeout, extra={"host_id": _host_id(shm_directory),
+                                                  "native_ops": library is not None})
     hosts = list(_by_host(mesh).values())
     segment, why = None, "the workers run on different hosts"
     if mode == "auto" and len(hosts) > 1 and len({len(g) for g in hosts}) == 1 < len(hosts[0]):
@@ -416,25 +419,20 @@ def connect(rank: int, tasks: list[str], host: str, store: Store, *,
         raise TransportError(f"transport='shm' is not possible here: {why}. Use 'auto' or "
                              "'tcp'.")
     transport = Transport(mesh, segment, hosts)
-    transport.op_library = _agreed_op_library(transport, store, prefix, timeout)
-    if (transport.op_library is not None and transport.mode == "shm"
-            and transport.in_place_bytes is not None):
-        transport.native = native_sum.NativeSum(transport, segment, transport.op_library)
+    # PowerSGD's native ops round otherwise than TensorFlow's, and every worker must
+    # rebuild the same bits: the workers take them only if every one loaded them.
+    if all(info["native_ops"] for info in mesh.infos):
+        transport.op_library = library
+        if transport.mode == "shm" and transport.in_place_bytes is not None:
+            transport.native = native_sum.NativeSum(transport, segment, library)
     return transport
 
 
-def _agreed_op_library(transport: Transport, store: Store, prefix: str, timeout: float):
-    """The native ops' library if every worker can load it, else None (they all agree):
-    PowerSGD's kernels round otherwise than TensorFlow's ops, and every worker must
-    rebuild the same bits.
-
-    Only where TensorFlow is imported already: the ops serve TensorFlow's graphs.
-    """
-    library = (native_sum.library() if native_sum.enabled() and "tensorflow" in sys.modules
-               else None)
-    store.set(f"{prefix}/native/{transport.rank}", "1" if library is not None else "0")
-    if all(store.get(f"{prefix}/native/{r}", timeout) == "1" for r in range(transport.world)):
-        return library
+def _op_library():
+    """The native ops' library, or None: disabled, not loadable, or TensorFlow not
+    imported (the ops serve TensorFlow's graphs)."""
+    if native_sum.enabled() and "tensorflow" in sys.modules:
+        return native_sum.library()
     return None
 
 

@@ -421,7 +421,7 @@ def connect(rank: int, tasks: list[str], host: str, store: Store, *,
     transport = Transport(mesh, segment, hosts)
     # PowerSGD's native ops round otherwise than TensorFlow's, and every worker must
     # rebuild the same bits: the workers take them only if every one loaded them.
-    if all(info["native_ops"] for info in mesh.infos):
+    if all(info.get("native_ops") for info in mesh.infos):
         transport.op_library = library
         if transport.mode == "shm" and transport.in_place_bytes is not None:
             transport.native = native_sum.NativeSum(transport, segment, library)

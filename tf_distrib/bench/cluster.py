@@ -251,7 +251,7 @@ def _least_squares(rows: list[dict], e: float, cores: int, measured) -> dict | N
         now = []
         for row in rows:
             cpu, link, _, over = _terms(row, e, cores)
-            busy = sum(constants[k] * v for k, v in zip(_CONSTANTS, cpu, strict=True))
+            busy = _cpu_seconds(constants, cpu)
             now.append(over * busy - (over - 1) / over * link > busy)
         if now == sides:
             break
@@ -281,8 +281,13 @@ def predict(model: dict, row: dict, cores: int | None = None) -> float:
     """Seconds of one all-reduce of `row` ("rate", "hosts", "per_host", "mode", "dtype",
     "bytes") by the model; `cores` shared by every process (None: each host its own)."""
     cpu, link, rounds, over = _terms(row, model["e"], cores)
-    busy = sum(model[k] * v for k, v in zip(_CONSTANTS, cpu, strict=True))
+    busy = _cpu_seconds(model, cpu)
     return link + model["a"] * rounds + max(busy, over * busy - (over - 1) / over * link)
+
+
+def _cpu_seconds(constants: dict, cpu: list[float]) -> float:
+    """C of `calibrate`'s model: a worker's CPU time from its [T, U, W, M]."""
+    return sum(constants[k] * v for k, v in zip(_CONSTANTS, cpu, strict=True))
 
 
 def _terms(row: dict, e: float, cores: int | None) -> tuple[list[float], float, int, float]:

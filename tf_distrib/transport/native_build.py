@@ -2,11 +2,10 @@
 
 The ops (`native_sum.cc`: the shared-memory all-reduce; `cross_device/powersgd_ops.cc`:
 PowerSGD's arithmetic) are compiled into one library against the installed TensorFlow
-on first use, into
-`TF_DISTRIB_CACHE_DIR` (default `$XDG_CACHE_HOME/tf_distrib`, else ~/.cache/tf_distrib).
-Its cache key covers the source, TensorFlow's version and flags, the compiler (path,
-size, modification time), the machine and the C library, so a shared home directory
-never serves a library built elsewhere. Workers that start together take one lock:
+on first use, into `TF_DISTRIB_CACHE_DIR` (default `$XDG_CACHE_HOME/tf_distrib`, else
+~/.cache/tf_distrib). Its cache key covers the sources, TensorFlow's version and flags,
+the compiler (path, size, modification time), the machine and the C library, so a shared
+home directory never serves a library built elsewhere. Workers that start together take one lock:
 one builds, the others wait and load its library. A failed build is written beside
 the library with its reason and not tried again until one of those inputs changes or
 `tf-distrib doctor --rebuild` asks.
@@ -17,6 +16,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import pathlib
 import platform
 import shutil
 import subprocess
@@ -95,10 +95,7 @@ def library_path(flags: list[str], tf_version: str, *, rebuild: bool = False) ->
 
 def _key(cxx: str, flags: list[str], tf_version: str) -> str:
     """What decides whether a built library (or a failure) still holds, as 16 hex digits."""
-    sources = []
-    for source in SOURCES:
-        with open(source, "rb") as f:
-            sources.append(f.read())
+    sources = [pathlib.Path(source).read_bytes() for source in SOURCES]
     stat = os.stat(cxx)
     parts = [*sources, tf_version, os.path.realpath(cxx), stat.st_size, stat.st_mtime_ns,
              platform.machine(), *platform.libc_ver(), *flags]
@@ -107,7 +104,7 @@ def _key(cxx: str, flags: list[str], tf_version: str) -> str:
 
 
 def _compile(cxx: str, flags: list[str], path: str) -> str | None:
-    """Compiles the op into `path`; None when it did, else why not (its first error line)."""
+    """Compiles the ops into `path`; None when it did, else why not (its first error line)."""
     partial = f"{path}.{os.getpid()}.tmp"
     try:
         done = subprocess.run([cxx, *SOURCES, "-o", partial, *flags], capture_output=True,

@@ -81,10 +81,77 @@ def test_sums_are_equal_on_every_worker_and_error_feedback_loses_nothing(tmp_pat
     np.testing.assert_allclose(compressed[0][2], true[2], rtol=1e-6, atol=1e-6)
     # A full-rank sum is not, but nothing is lost: what the steps' sums missed of the
     # true sums' total is in the workers' residuals, to be sent in later steps.
-    residual = sum(r["state"]["residual/1"] for r in results)
+    # A worker's residual: its last M less its share of the last sum.
+    state = [r["state"] for r in results]
+    residual = sum(s["matrix/1"] - s["p_hat/1"] @ s["q/1"] / world for s in state)
     applied = sum(s[1] for s in results[0]["sums"])
     np.testing.assert_allclose(applied + residual, steps * true[1], rtol=1e-4, atol=1e-3)
-    assert sorted(results[0]["state"]) == ["q/0", "q/1", "residual/0", "residual/1", "steps"]
+    assert sorted(state[0]) == ["matrix/0", "matrix/1", "p_hat/0", "p_hat/1", "q/0", "q/1",
+                                "steps"]
+
+
+# No accumulation here: Keras' own step divides the sums by K, the fused one its
+# learning rate (test_accumulation), and the models pass their residuals on.
+SGD_SETTINGS = {"plain": {}, "momentum": {"momentum": 0.9},
+                "Nesterov": {"momentum": 0.5, "nesterov": True}}
+
+
+def fit_powersgd_with_sgd(keras_step):
+    """Trains a model under PowerSGD for each of `SGD_SETTINGS` in turn, with Keras' SGD
+    (its step fused into the native ops that rebuild the sums) or, with `keras_step`, an
+    SGD whose `update_step` is overridden (Keras' own step on the sums). The models share
+    the strategy's PowerSGD state, so a run compares only with a run of the same
+    settings in the same order. Returns each model's weights' digest and how many fused
+    steps each traced."""
+    import hashlib
+
+    import keras
+    import tensorflow as tf
+
+    import tf_distrib as td
+    from tf_distrib.cross_device.powersgd import PowerSGDAllReduce
+
+    traced = []
+    fused = PowerSGDAllReduce.sgd
+    PowerSGDAllReduce.sgd = lambda self, *a: traced.append(1) or fused(self, *a)
+
+    class KerasSGD(keras.optimizers.SGD):
+        def update_step(self, gradient, variable, learning_rate):
+            return super().update_step(gradient, variable, learning_rate)
+
+    strategy = td.make_strategy(compression=PowerSGD(rank=2, start_step=3, min_size=0))
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((512, 20)).astype("float32"), rng.integers(0, 5, 512)
+    data = td.data.distribute_dataset(strategy, tf.data.Dataset.from_tensor_slices((x, y)),
+                                      64)
+    report = {"native": strategy.transport.op_library is not None}
+    for label, kwargs in SGD_SETTINGS.items():
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((20,)),
+                                      keras.layers.Dense(48, activation="relu"),
+                                      keras.layers.Dense(5)])
+            optimizer = KerasSGD if keras_step else keras.optimizers.SGD
+            model.compile(optimizer(0.05, **kwargs),
+                          keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        before = len(traced)
+        model.fit(data, epochs=2, verbose=0)
+        report[f"traced {label}"] = len(traced) - before
+        report[f"digest {label}"] = hashlib.sha256(
+            b"".join(w.numpy().tobytes() for w in model.weights)).hexdigest()
+    return report
+
+
+@pytest.mark.multiprocess
+def test_keras_sgd_fused_into_powersgds_native_ops_steps_bitwise_as_keras():
+    fused, keras_step = ([w.value for w in run_workers(fit_powersgd_with_sgd, 2, args=(k,),
+                                                       quiet=True, timeout=240)]
+                         for k in (False, True))
+    assert fused[0] == fused[1] and keras_step[0] == keras_step[1]  # workers agree
+    assert fused[0]["native"], fused[0]
+    for label in SGD_SETTINGS:
+        assert fused[0][f"digest {label}"] == keras_step[0][f"digest {label}"], label
+        assert fused[0][f"traced {label}"] >= 1 and keras_step[0][f"traced {label}"] == 0
 
 
 @pytest.mark.multiprocess
@@ -94,7 +161,7 @@ def test_a_killed_powersgd_job_resumes_bitwise_with_every_workers_residuals(tmp_
                             kwargs=kwargs, quiet=True)
     np.testing.assert_array_equal(reference[0].value["weights"][0],
                                   reference[1].value["weights"][0])
-    assert reference[0].value["worker_state"] == ["q/0", "residual/0", "steps"]
+    assert reference[0].value["worker_state"] == ["matrix/0", "p_hat/0", "q/0", "steps"]
     result = launch(train_with_backup, 2, args=(str(tmp_path / "b"),),
                     kwargs={**kwargs, "kill_at": 45, "kill_worker": 1}, max_restarts=1,
                     quiet=True, timeout=300)

@@ -27,7 +27,7 @@ from tf_distrib.cross_device.compression import (
     encode_for_sum,
     get_compressor,
 )
-from tf_distrib.cross_device.powersgd import PowerSGD, PowerSGDAllReduce
+from tf_distrib.cross_device.powersgd import PowerSGD, PowerSGDAllReduce, SgdStep
 from tf_distrib.transport import buffers, graph_op
 
 SUM = tf.distribute.ReduceOp.SUM
@@ -90,7 +90,9 @@ class GradientAllReduce:
         """Keras' SGD step fused into the all-reduce, where it can be: the transport's
         native op sums the gradients, each worker updates only its part of the weights
         (and velocities), and the op assigns the variables bitwise what `__call__` and
-        Keras' update would give. Dense float32 gradients and variables, no compression.
+        Keras' update would give. Dense float32 gradients and variables, no compression
+        but PowerSGD's, whose native ops take the step while they rebuild the sums
+        (`PowerSGDAllReduce.sgd`).
 
         Args:
             learning_rate: The step's learning rate (a float32 scalar).
@@ -104,11 +106,17 @@ class GradientAllReduce:
             Whether the step ran (assigning the variables); False where this all-reduce
             cannot fuse it, and nothing ran.
         """
-        native = None if self.transport is None else self.transport.native
-        if native is None or self.powersgd is not None or not isinstance(
-                self.compressor, NoCompression) or any(
+        if self.transport is None or any(
                 isinstance(t, tf.IndexedSlices) or t.dtype != tf.float32
                 for t in (*grads, *variables, *(velocities or ()))):
+            return False
+        if self.powersgd is not None:
+            if self.transport.op_library is None:
+                return False
+            self.powersgd.sgd(SgdStep(learning_rate, variables, momentum, velocities, nesterov),
+                              list(grads))
+            return True
+        if self.transport.native is None or not isinstance(self.compressor, NoCompression):
             return False
         graph_op.sgd(self.transport, learning_rate, grads, variables, momentum=momentum,
                      velocities=velocities, nesterov=nesterov)

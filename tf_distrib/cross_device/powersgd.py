@@ -3,13 +3,14 @@
 A gradient of shape [..., m] is a matrix M (n x m). Each worker sends P = M Q (n x r),
 then, with P's sum orthonormalised into P̂, Q' = M^T P̂ (m x r): two all-reduces of
 r(n + m) values instead of nm. Every worker rebuilds the same sum P̂ Q'^T; what it
-misses of a worker's M stays in that worker's residual and joins its next gradient
-(error feedback: nothing is lost, only delayed); Q' is the next step's Q (a warm start).
-Vectors and matrices that rank r would not shrink twofold travel whole in the first
-all-reduce, and the first `start_step` all-reduces send everything whole (as DDP's
-`powerSGD_hook`). State: each worker's residuals, the Qs and the step count, in
-variables of the worker's own (as a metric's); `BackupAndRestore` saves every
-worker's (`worker_state`), so a resumed run goes on bitwise.
+misses of a worker's M stays in that worker's residual E = M - P̂ Q'^T / workers and
+joins its next gradient (error feedback: nothing is lost, only delayed); Q' is the next
+step's Q (a warm start). E is kept as M, P̂ and Q' and rebuilt as the next gradient is
+added (two passes fewer). Vectors and matrices that rank r would not shrink twofold
+travel whole in the first all-reduce; the first `start_step` all-reduces send all whole
+(as DDP's `powerSGD_hook`). Under Keras' `SGD`, the native ops take its step as they
+rebuild the sums (`sgd`). The state (M, P̂, Q', the step count) is in variables of the
+worker's own (as a metric's); `BackupAndRestore` saves every worker's (`worker_state`).
 """
 
 from __future__ import annotations
@@ -76,8 +77,10 @@ class PowerSGDAllReduce:
         self.config = config
         self.transport = transport
         self._steps = None  # all-reduces run, warm-up included
+        # Per compressed gradient: Q' (the next Q, transposed), P̂ and M of the last step.
         self._qs: dict[int, tf.Variable] = {}
-        self._residuals: dict[int, tf.Variable] = {}
+        self._p_hats: dict[int, tf.Variable] = {}
+        self._matrices: dict[int, tf.Variable] = {}
         self._loaded: dict[str, np.ndarray] = {}  # restored before the state exists
 
     def __call__(self, grads: list[tf.Tensor]) -> list[tf.Tensor]:
@@ -91,26 +94,57 @@ class PowerSGDAllReduce:
                        lambda: self._compressed(grads, compressed),
                        lambda: graph_op.all_reduce(self.transport, grads))
 
-    def _compressed(self, grads: list[tf.Tensor], compressed: list[int]) -> list[tf.Tensor]:
+    def sgd(self, step: SgdStep, grads: list[tf.Tensor]):
+        """Keras' `step` on the sums of `grads` (dense float32), in replica context: fused
+        into rebuilding the compressed sums (the transport's `op_library` must be set),
+        Keras' own ops on the sums that travel whole. The variables end bitwise as Keras'
+        update on `__call__`'s sums leaves them.
+
+        Returns:
+            The step's op.
+        """
+        compressed = [i for i, g in enumerate(grads) if self.config.compresses(g.shape)]
+        self._build(grads, compressed)
+        count = self._steps.assign_add(1)
+
+        def whole():
+            return step.apply(graph_op.all_reduce(self.transport, grads), range(len(grads)))
+
+        if not compressed:
+            return whole()
+        return tf.cond(count > self.config.start_step,
+                       lambda: self._compressed(grads, compressed, step), whole)
+
+    def _compressed(self, grads: list[tf.Tensor], compressed: list[int],
+                    step: SgdStep | None = None):
+        """The sums, or with `step` the op that takes it on them (see `sgd`)."""
         whole = [i for i in range(len(grads)) if i not in compressed]
         kernels = _Kernels(self.transport.op_library)
-        matrices, ps = kernels.project(
-            [tf.reshape(grads[i], self._residuals[i].shape) for i in compressed],
-            [self._residuals[i] for i in compressed], [self._qs[i] for i in compressed])
+        scale = tf.constant(1.0 / self.transport.world, tf.float32)
+        ps = kernels.project(
+            [tf.reshape(grads[i], self._matrices[i].shape) for i in compressed],
+            [self._matrices[i] for i in compressed],
+            [_read(self._p_hats[i].handle) for i in compressed],
+            [_read(self._qs[i].handle) for i in compressed], scale)
         # Round 1: the Ps, and the gradients that travel whole, in one all-reduce.
         sums = graph_op.all_reduce(self.transport, list(ps) + [grads[i] for i in whole])
         p_hats = kernels.orthonormalize(sums[:len(compressed)])
         results = dict(zip(whole, sums[len(compressed):], strict=True))
         # Round 2: the Qs.
-        qts = graph_op.all_reduce(self.transport, kernels.back(matrices, p_hats))
-        approximations, residuals = kernels.rebuild(
-            matrices, p_hats, qts, tf.constant(1.0 / self.transport.world, tf.float32))
-        updates = []
-        for i, q, approximation, residual in zip(compressed, qts, approximations, residuals,
-                                                 strict=True):
-            updates += [self._residuals[i].assign(residual), self._qs[i].assign(q)]
-            results[i] = tf.reshape(approximation, grads[i].shape)
+        qts = graph_op.all_reduce(self.transport, kernels.back(
+            [_read(self._matrices[i].handle) for i in compressed], p_hats))
+        if step is not None:
+            updates = [kernels.rebuild_sgd(p_hats, qts, step, compressed),
+                       step.apply([results[i] for i in whole], whole)]
+        else:
+            updates = []
+            for i, approximation in zip(compressed, kernels.rebuild(p_hats, qts), strict=True):
+                results[i] = tf.reshape(approximation, grads[i].shape)
+        for i, p_hat, q in zip(compressed, p_hats, qts, strict=True):
+            updates += [self._p_hats[i].assign(p_hat), self._qs[i].assign(q)]
         with tf.control_dependencies(updates):
+            if step is not None:
+                return tf.constant(True)  # the branches of `sgd`'s cond return a tensor
             return [tf.identity(results[i]) for i in range(len(grads))]
 
     def _build(self, grads: list[tf.Tensor], compressed: list[int]) -> None:
@@ -125,8 +159,10 @@ class PowerSGDAllReduce:
                 start = np.random.default_rng(i).standard_normal(
                     (min(self.config.rank, n, m), m)).astype(np.float32)
                 self._qs[i] = _local_variable(start, f"powersgd_q_{i}")
-                self._residuals[i] = _local_variable(np.zeros((n, m), np.float32),
-                                                     f"powersgd_residual_{i}")
+                self._p_hats[i] = _local_variable(np.zeros((n, len(start)), np.float32),
+                                                  f"powersgd_p_hat_{i}")
+                self._matrices[i] = _local_variable(np.zeros((n, m), np.float32),
+                                                    f"powersgd_matrix_{i}")
             # Not as initial values: MWMS gives every worker worker 0's initial values.
             for name, value in self._loaded.items():
                 _compat.assign_local(self._variables()[name], value)
@@ -135,7 +171,8 @@ class PowerSGDAllReduce:
     # State, for BackupAndRestore -------------------------------------------------
 
     def worker_state(self) -> dict[str, np.ndarray]:
-        """This worker's state: the step count, the Qs and the residuals."""
+        """This worker's state: the step count, and each compressed gradient's last M, P̂
+        and Q' (its residual, see the module's docstring)."""
         if self._steps is None:
             return {}
         state = {name: _compat.local_value(v) for name, v in self._variables().items()}
@@ -154,12 +191,21 @@ class PowerSGDAllReduce:
                 takes the first row's Qs (equal in every row) and an equal share of
                 the residuals' sum, which is what the next sums add back.
         """
-        resized = len(rows["steps"]) != self.transport.world
+        world = self.transport.world
+        resized = len(rows["steps"]) != world
         values = {"steps": rows["steps"][0][0]}
-        values.update({name: v[0] for name, v in rows.items() if name.startswith("q/")})
-        values.update({
-            name: v.sum(axis=0) / np.float32(self.transport.world) if resized else v[row]
-            for name, v in rows.items() if name.startswith("residual/")})
+        for name, v in rows.items():
+            kind, _, i = name.partition("/")
+            if kind in ("q", "p_hat"):
+                values[name] = v[0]
+            elif kind == "matrix" and not resized:
+                values[name] = v[row]
+            elif kind == "matrix":
+                # The residuals' sum: every worker's M less the sum all of them applied.
+                applied = rows[f"p_hat/{i}"][0].astype(np.float64) @ rows[f"q/{i}"][0]
+                values[name] = ((v.sum(axis=0, dtype=np.float64) - applied) / world).astype(
+                    np.float32)
+                values[f"p_hat/{i}"] = np.zeros_like(rows[f"p_hat/{i}"][0])
         if self._steps is None:
             self._loaded = values
             return
@@ -169,8 +215,9 @@ class PowerSGDAllReduce:
     def _variables(self) -> dict[str, tf.Variable]:
         """The state's variables by their names in `worker_state`."""
         variables = {"steps": self._steps}
-        variables.update({f"q/{i}": q for i, q in self._qs.items()})
-        variables.update({f"residual/{i}": r for i, r in self._residuals.items()})
+        for i in self._qs:
+            variables.update({f"q/{i}": self._qs[i], f"p_hat/{i}": self._p_hats[i],
+                              f"matrix/{i}": self._matrices[i]})
         return variables
 
 
@@ -182,13 +229,18 @@ class _Kernels:
     def __init__(self, op_library):
         self._ops = op_library
 
-    def project(self, grads, residuals, qts):
-        """M = G + E and P = M Q, for each matrix."""
+    def project(self, grads, matrices, p_hats, qts, scale):
+        """M = G + E into each variable of `matrices`, which holds the last M, and P = M Q,
+        for each matrix; E = last M - P̂ Q^T * scale (the last step's factors)."""
         if self._ops is not None:
-            return self._ops.tf_distrib_power_sgd_project(grads, residuals, qts)
-        matrices = [g + e for g, e in zip(grads, residuals, strict=True)]
-        return matrices, [tf.matmul(m, q, transpose_b=True)
-                          for m, q in zip(matrices, qts, strict=True)]
+            return self._ops.tf_distrib_power_sgd_project(
+                grads, [v.handle for v in matrices], p_hats, qts, scale)
+        ps = []
+        for g, variable, p_hat, q in zip(grads, matrices, p_hats, qts, strict=True):
+            m = g + (_read(variable.handle) - tf.matmul(p_hat, q) * scale)
+            with tf.control_dependencies([variable.assign(m)]):
+                ps.append(tf.matmul(m, q, transpose_b=True))
+        return ps
 
     def orthonormalize(self, ps):
         """Orthonormal columns spanning each P (Gram-Schmidt's; QR's, up to signs)."""
@@ -202,13 +254,72 @@ class _Kernels:
             return self._ops.tf_distrib_power_sgd_back(matrices, p_hats)
         return [tf.matmul(p, m, transpose_a=True) for m, p in zip(matrices, p_hats, strict=True)]
 
-    def rebuild(self, matrices, p_hats, qts, scale):
-        """The approximations P̂ Q'^T and the residuals M - approximation * scale."""
+    def rebuild(self, p_hats, qts):
+        """The sums P̂ Q'^T."""
         if self._ops is not None:
-            return self._ops.tf_distrib_power_sgd_rebuild(matrices, p_hats, qts, scale)
-        approximations = [tf.matmul(p, q) for p, q in zip(p_hats, qts, strict=True)]
-        return approximations, [m - a * scale
-                                for m, a in zip(matrices, approximations, strict=True)]
+            return self._ops.tf_distrib_power_sgd_rebuild(p_hats, qts)
+        return [tf.matmul(p, q) for p, q in zip(p_hats, qts, strict=True)]
+
+    def rebuild_sgd(self, p_hats, qts, step: SgdStep, indices):
+        """`step` taken on the sums P̂ Q'^T of the gradients at `indices`, never written
+        out (native ops only).
+
+        Returns:
+            The op.
+        """
+        velocities = [] if step.velocities is None else [
+            step.velocities[i].handle for i in indices]
+        return self._ops.tf_distrib_power_sgd_rebuild_sgd(
+            p_hats, qts, step.learning_rate,
+            tf.constant(0.0) if step.momentum is None else step.momentum,
+            [step.variables[i].handle for i in indices], velocities, nesterov=step.nesterov)
+
+
+@dataclasses.dataclass(frozen=True)
+class SgdStep:
+    """Keras' `SGD` update, as `GradientAllReduce.sgd` receives it.
+
+    Args:
+        learning_rate: The step's learning rate (a float32 scalar).
+        variables: The `tf.Variable`s (this replica's), one per gradient.
+        momentum: The momentum (a float32 scalar), with `velocities`. Defaults to None.
+        velocities: The momentum's `tf.Variable`s, one per gradient. Defaults to None.
+        nesterov: Nesterov's momentum. Defaults to False.
+    """
+
+    learning_rate: tf.Tensor
+    variables: list
+    momentum: tf.Tensor | None = None
+    velocities: list | None = None
+    nesterov: bool = False
+
+    def apply(self, sums: list[tf.Tensor], indices):
+        """Keras' `SGD.update_step` on `sums` for the variables at `indices`, op for op
+        (the same bits), on the variables' handles: in replica context, where Keras would
+        need its cross-replica `update`.
+
+        Returns:
+            The step's op.
+        """
+        ops = []
+        for g, i in zip(sums, indices, strict=True):
+            weights, descent = self.variables[i].handle, g * self.learning_rate
+            if self.velocities is None:
+                ops.append(tf.raw_ops.AssignSubVariableOp(resource=weights, value=descent))
+                continue
+            velocity = self.velocities[i].handle
+            new = _read(velocity) * self.momentum - descent
+            with tf.control_dependencies([tf.raw_ops.AssignVariableOp(resource=velocity,
+                                                                      value=new)]):
+                new = _read(velocity)
+                value = new * self.momentum - descent if self.nesterov else new
+                ops.append(tf.raw_ops.AssignAddVariableOp(resource=weights, value=value))
+        with tf.control_dependencies(ops):
+            return tf.constant(True)
+
+
+def _read(handle) -> tf.Tensor:
+    return tf.raw_ops.ReadVariableOp(resource=handle, dtype=tf.float32)
 
 
 def _local_variable(initial_value, name: str) -> tf.Variable:

@@ -1,28 +1,37 @@
-// PowerSGD's arithmetic as four TensorFlow ops (powersgd.py's `_Kernels`).
+// PowerSGD's arithmetic as TensorFlow ops (powersgd.py's `_Kernels`).
 //
 // Each works on N matrices at once (a gradient reshaped to n x m; Q stored transposed,
 // r x m, so that every inner loop runs along a row of m contiguous floats):
-//   TfDistribPowerSgdProject      M = G + E and P = M Q, in one pass over the row
+//   TfDistribPowerSgdProject      M = G + E and P = M Q, in one pass over the row, M
+//                                 written over the previous M held in a variable
 //   TfDistribPowerSgdOrthonormalize  P̂: P's columns by Gram-Schmidt (double, twice)
 //   TfDistribPowerSgdBack         Q' = M^T P̂, by fixed blocks of rows summed in order
-//   TfDistribPowerSgdRebuild      A = P̂ Q'^T and the residual M - A * scale, in one pass
-// Seven passes over the gradient's size in all, where TensorFlow's matmuls, adds and
-// assigns take about thirteen and an op each (the MLP of `bench scaling`, one core,
-// AVX2: 3.6 ms against 4.7 ms alone; in `fit`, 4-6 ms less CPU per step, docs/gradients.md).
+//   TfDistribPowerSgdRebuild      the sum A = P̂ Q'^T
+//   TfDistribPowerSgdRebuildSgd   Keras' SGD step on A (with or without momentum) into
+//                                 the variables; A is never written
+// The residual E = M - A * scale is never stored either: the variable keeps M, P̂ and Q'
+// stay, and the next Project rebuilds E's row from them as it reads it (a rank-r product
+// in cache). Six passes over the gradient's size per SGD step in all (G, M; M; M; the
+// weights, twice), where TensorFlow's matmuls, adds, assigns and Keras' update take
+// about eighteen and an op each (docs/gradients.md has the measured times).
 //
 // Why not tf.matmul and tf.linalg.qr: every worker rebuilds A from the same sums, and
 // must get the same bits, or the workers' weights drift apart. oneDNN and Eigen pick
 // their kernels (and so their order of additions) by the CPU they run on; here each
 // output element is summed in an order fixed by the code, with no fused multiply-adds
-// (-ffp-contract=off, native_build.py), in 8-lane vectors that the compiler splits into
-// SSE2 halves where AVX2 is missing: the same bits on any x86-64 (or other) host.
+// (-ffp-contract=off, native_build.py), in 16-lane vectors that the compiler splits into
+// AVX2 or SSE2 parts where AVX-512 is missing: the same bits on any x86-64 (or other) host.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/resource_var.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/util/work_sharder.h"
@@ -39,44 +48,77 @@ using ::tensorflow::Tensor;
 using ::tensorflow::TensorShape;
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
+#define VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define VECTOR_CLONES
 #endif
 
-typedef float v8 __attribute__((vector_size(32)));
-constexpr int64_t kLanes = 8;
+typedef float v16 __attribute__((vector_size(64)));
+constexpr int64_t kLanes = 16;
 // Rows per block of TfDistribPowerSgdBack: its partial sums are added in block order.
 constexpr int64_t kBlockRows = 64;
 
-inline v8 Load(const float* p) {
-  v8 v;
+inline v16 Load(const float* p) {
+  v16 v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-inline void Store(float* p, v8 v) { std::memcpy(p, &v, sizeof(v)); }
-inline v8 Splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
-inline float Sum(v8 v) {
+inline void Store(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
+inline v16 Splat(float x) { return v16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+inline float Sum(v16 v) {
   float s = 0;
   for (int l = 0; l < kLanes; ++l) s += v[l];
   return s;
 }
 
-// Rows [begin, end) of M = G + E and P = M Q (qt: r x m).
-VECTOR_CLONES void ProjectRows(const float* g, const float* e, float* m_out, const float* qt,
-                               float* p, int64_t m, int64_t r, int64_t begin, int64_t end) {
+// Row i of A = P̂ Q'^T into a_row, each element summed in k's order: eight vectors at a
+// time held in registers through the r products (one store each, no reloads).
+VECTOR_CLONES void ApproximateRow(const float* p, const float* qt, float* a_row, int64_t m,
+                                  int64_t r, int64_t i) {
+  constexpr int64_t kChunk = 8;
+  const float* pi = p + i * r;
+  const int64_t body = m / (kChunk * kLanes) * (kChunk * kLanes);
+  for (int64_t j = 0; j < body; j += kChunk * kLanes) {
+    v16 a[kChunk];
+    const v16 p0 = Splat(pi[0]);
+    for (int64_t c = 0; c < kChunk; ++c) a[c] = p0 * Load(qt + j + c * kLanes);
+    for (int64_t k = 1; k < r; ++k) {
+      const v16 pk = Splat(pi[k]);
+      const float* qk = qt + k * m + j;
+      for (int64_t c = 0; c < kChunk; ++c) a[c] += pk * Load(qk + c * kLanes);
+    }
+    for (int64_t c = 0; c < kChunk; ++c) Store(a_row + j + c * kLanes, a[c]);
+  }
+  for (int64_t j = body; j < m; ++j) {
+    float a = pi[0] * qt[j];
+    for (int64_t k = 1; k < r; ++k) a += pi[k] * qt[k * m + j];
+    a_row[j] = a;
+  }
+}
+
+// Rows [begin, end) of M = G + E, E = M_previous - A_previous * scale (A_previous = P̂
+// Q^T: the factors of the previous step), and P = M Q (qt: r x m). m_out may be
+// m_previous: each element is read before it is written.
+VECTOR_CLONES void ProjectRows(const float* g, const float* m_previous, float* m_out,
+                               const float* p_hat, const float* qt, float scale, float* p,
+                               float* a_row, int64_t m, int64_t r, int64_t begin,
+                               int64_t end) {
   const int64_t body = m / kLanes * kLanes;
+  const v16 sv = Splat(scale);
   for (int64_t i = begin; i < end; ++i) {
     const float* gi = g + i * m;
-    const float* ei = e + i * m;
+    const float* ei = m_previous + i * m;
     float* mi = m_out + i * m;
-    for (int64_t j = 0; j < body; j += kLanes) Store(mi + j, Load(gi + j) + Load(ei + j));
-    for (int64_t j = body; j < m; ++j) mi[j] = gi[j] + ei[j];
+    ApproximateRow(p_hat, qt, a_row, m, r, i);
+    for (int64_t j = 0; j < body; j += kLanes) {
+      Store(mi + j, Load(gi + j) + (Load(ei + j) - Load(a_row + j) * sv));
+    }
+    for (int64_t j = body; j < m; ++j) mi[j] = gi[j] + (ei[j] - a_row[j] * scale);
     for (int64_t k0 = 0; k0 < r; k0 += 4) {
       const int64_t kk = r - k0 < 4 ? r - k0 : 4;
-      v8 acc[4] = {Splat(0), Splat(0), Splat(0), Splat(0)};
+      v16 acc[4] = {Splat(0), Splat(0), Splat(0), Splat(0)};
       for (int64_t j = 0; j < body; j += kLanes) {
-        const v8 v = Load(mi + j);
+        const v16 v = Load(mi + j);
         for (int64_t k = 0; k < kk; ++k) acc[k] += v * Load(qt + (k0 + k) * m + j);
       }
       for (int64_t k = 0; k < kk; ++k) {
@@ -103,9 +145,9 @@ VECTOR_CLONES void BackRows(const float* mm, const float* p, float* qt_out, int6
       for (int64_t t = 0; t < rows; ++t) pk[t] = p[(i + t) * r + k];
       float* qk = qt_out + k * m;
       if (rows == 4) {
-        const v8 p0 = Splat(pk[0]), p1 = Splat(pk[1]), p2 = Splat(pk[2]), p3 = Splat(pk[3]);
+        const v16 p0 = Splat(pk[0]), p1 = Splat(pk[1]), p2 = Splat(pk[2]), p3 = Splat(pk[3]);
         for (int64_t j = 0; j < body; j += kLanes) {
-          v8 q = Load(qk + j);
+          v16 q = Load(qk + j);
           q += Load(mi[0] + j) * p0;
           q += Load(mi[1] + j) * p1;
           q += Load(mi[2] + j) * p2;
@@ -114,7 +156,7 @@ VECTOR_CLONES void BackRows(const float* mm, const float* p, float* qt_out, int6
         }
       } else {
         for (int64_t t = 0; t < rows; ++t) {
-          const v8 pv = Splat(pk[t]);
+          const v16 pv = Splat(pk[t]);
           for (int64_t j = 0; j < body; j += kLanes) {
             Store(qk + j, Load(qk + j) + Load(mi[t] + j) * pv);
           }
@@ -127,31 +169,45 @@ VECTOR_CLONES void BackRows(const float* mm, const float* p, float* qt_out, int6
   }
 }
 
-// Rows [begin, end) of A = P̂ Q'^T and of the residual M - A * scale. A's row is built
-// in the output, one k at a time (it stays in L1), each element summed in k's order.
-VECTOR_CLONES void RebuildRows(const float* mm, const float* p, const float* qt, float scale,
-                               float* a_out, float* e_out, int64_t m, int64_t r,
-                               int64_t begin, int64_t end) {
+// Keras' SGD step on a sum A, rounded as TensorFlow's kernels round Keras' ops (no fused
+// multiply-adds): `w - A * rate`; with momentum `v' = v * momentum - A * rate`, then
+// `w + v'`, or Nesterov's `w + (v' * momentum - A * rate)`. Each new value may overwrite
+// its old one (an element is read before it is written).
+struct SgdStep {
+  float rate = 0, momentum = 0;
+  bool with_momentum = false, nesterov = false;
+};
+
+// Rows [begin, end) of Keras' SGD step on A: the weights (w_in -> w_out) and velocities
+// (v_in -> v_out, with momentum). A's row lives in `a_row`.
+VECTOR_CLONES void SgdRows(const float* p, const float* qt, const float* w_in, float* w_out,
+                           const float* v_in, float* v_out, SgdStep step, float* a_row,
+                           int64_t m, int64_t r, int64_t begin, int64_t end) {
   const int64_t body = m / kLanes * kLanes;
-  const v8 sv = Splat(scale);
+  const v16 rv = Splat(step.rate), mv = Splat(step.momentum);
   for (int64_t i = begin; i < end; ++i) {
-    const float* mi = mm + i * m;
-    float* ai = a_out + i * m;
-    float* ei = e_out + i * m;
-    for (int64_t k = 0; k < r; ++k) {
-      const float pk = p[i * r + k];
-      const v8 pv = Splat(pk);
-      const float* qk = qt + k * m;
-      if (k == 0) {
-        for (int64_t j = 0; j < body; j += kLanes) Store(ai + j, pv * Load(qk + j));
-        for (int64_t j = body; j < m; ++j) ai[j] = pk * qk[j];
-      } else {
-        for (int64_t j = 0; j < body; j += kLanes) Store(ai + j, Load(ai + j) + pv * Load(qk + j));
-        for (int64_t j = body; j < m; ++j) ai[j] += pk * qk[j];
+    const int64_t at = i * m;
+    ApproximateRow(p, qt, a_row, m, r, i);
+    for (int64_t j = 0; j < body; j += kLanes) {
+      const v16 descent = Load(a_row + j) * rv;
+      if (!step.with_momentum) {
+        Store(w_out + at + j, Load(w_in + at + j) - descent);
+        continue;
       }
+      const v16 v = Load(v_in + at + j) * mv - descent;
+      Store(v_out + at + j, v);
+      Store(w_out + at + j, Load(w_in + at + j) + (step.nesterov ? v * mv - descent : v));
     }
-    for (int64_t j = 0; j < body; j += kLanes) Store(ei + j, Load(mi + j) - Load(ai + j) * sv);
-    for (int64_t j = body; j < m; ++j) ei[j] = mi[j] - ai[j] * scale;
+    for (int64_t j = body; j < m; ++j) {
+      const float descent = a_row[j] * step.rate;
+      if (!step.with_momentum) {
+        w_out[at + j] = w_in[at + j] - descent;
+        continue;
+      }
+      const float v = v_in[at + j] * step.momentum - descent;
+      v_out[at + j] = v;
+      w_out[at + j] = w_in[at + j] + (step.nesterov ? v * step.momentum - descent : v);
+    }
   }
 }
 
@@ -166,38 +222,109 @@ void ForRows(OpKernelContext* ctx, int64_t rows, int64_t cost_per_row, Work work
 int64_t Rows(const Tensor& t) { return t.dim_size(0); }
 int64_t Cols(const Tensor& t) { return t.dim_size(1); }
 
+// Variables locked in address order (no deadlock with another op that locks some of
+// them) until destroyed.
+class Locked {
+ public:
+  explicit Locked(const std::vector<::tensorflow::core::RefCountPtr<::tensorflow::Var>>& v) {
+    std::vector<::tensorflow::mutex*> mutexes;
+    for (const auto& variable : v) mutexes.push_back(variable->mu());
+    std::sort(mutexes.begin(), mutexes.end());
+    mutexes.erase(std::unique(mutexes.begin(), mutexes.end()), mutexes.end());
+    for (::tensorflow::mutex* mu : mutexes) {
+      locks_.push_back(std::make_unique<::tensorflow::mutex_lock>(*mu));
+    }
+  }
+
+ private:
+  std::vector<std::unique_ptr<::tensorflow::mutex_lock>> locks_;
+};
+
+// The variables of resource inputs [first, first + count), looked up; empty on error.
+std::vector<::tensorflow::core::RefCountPtr<::tensorflow::Var>> Variables(
+    OpKernelContext* ctx, int first, int count) {
+  std::vector<::tensorflow::core::RefCountPtr<::tensorflow::Var>> variables(count);
+  for (int j = 0; j < count; ++j) {
+    const auto status = ::tensorflow::LookupResource(
+        ctx, ::tensorflow::HandleFromInput(ctx, first + j), &variables[j]);
+    if (!status.ok()) {
+      ctx->SetStatus(status);
+      return {};
+    }
+  }
+  return variables;
+}
+
+// A variable's value, written in place where nothing else holds its buffer (else into a
+// new one that the variable takes afterwards: a read of the old value keeps it).
+class Updated {
+ public:
+  Updated(OpKernelContext* ctx, ::tensorflow::Var* variable, int64_t elements, int i)
+      : variable_(variable), old_(*variable->tensor()) {
+    OP_REQUIRES(ctx, variable->is_initialized && old_.dtype() == ::tensorflow::DT_FLOAT &&
+                         old_.NumElements() == elements,
+                ::tensorflow::errors::InvalidArgument(
+                    "the variable of matrix ", i, " is ", old_.DebugString(),
+                    ", not an initialized float32 of ", elements, " values"));
+    // The variable and old_ hold the buffer: nothing else reads it.
+    if (!variable->copy_on_read_mode.load() && old_.RefCount() == 2) {
+      new_ = old_;
+    } else {
+      OP_REQUIRES_OK(ctx, ctx->allocate_temp(::tensorflow::DT_FLOAT, old_.shape(), &new_));
+      fresh_ = true;
+    }
+  }
+  const float* in() const { return old_.flat<float>().data(); }
+  float* out() { return new_.flat<float>().data(); }
+  void Assign() {
+    if (fresh_) *variable_->tensor() = new_;
+  }
+
+ private:
+  ::tensorflow::Var* variable_;
+  Tensor old_, new_;
+  bool fresh_ = false;
+};
+
 class ProjectOp : public OpKernel {
  public:
   explicit ProjectOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
 
   void Compute(OpKernelContext* ctx) override {
-    OpInputList grads, residuals, qts;
+    OpInputList grads, p_hats, qts;
     OP_REQUIRES_OK(ctx, ctx->input_list("grads", &grads));
-    OP_REQUIRES_OK(ctx, ctx->input_list("residuals", &residuals));
+    OP_REQUIRES_OK(ctx, ctx->input_list("p_hats", &p_hats));
     OP_REQUIRES_OK(ctx, ctx->input_list("qts", &qts));
-    OpOutputList matrices, ps;
-    OP_REQUIRES_OK(ctx, ctx->output_list("matrices", &matrices));
+    const int n = grads.size();
+    const float scale = ctx->input(4 * n).scalar<float>()();
+    const auto matrices = Variables(ctx, n, n);
+    if (!ctx->status().ok()) return;
+    const Locked locked(matrices);
+    OpOutputList ps;
     OP_REQUIRES_OK(ctx, ctx->output_list("ps", &ps));
-    for (int i = 0; i < grads.size(); ++i) {
+    for (int i = 0; i < n; ++i) {
       const Tensor& g = grads[i];
-      OP_REQUIRES(ctx, g.dims() == 2 && residuals[i].shape() == g.shape() &&
-                           qts[i].dims() == 2 && Cols(qts[i]) == Cols(g),
+      OP_REQUIRES(ctx, g.dims() == 2 && qts[i].dims() == 2 && Cols(qts[i]) == Cols(g) &&
+                           p_hats[i].dims() == 2 && Rows(p_hats[i]) == Rows(g) &&
+                           Cols(p_hats[i]) == Rows(qts[i]),
                   ::tensorflow::errors::InvalidArgument(
-                      "matrix ", i, ": gradient ", g.shape().DebugString(), ", residual ",
-                      residuals[i].shape().DebugString(), ", Q^T ",
+                      "matrix ", i, ": gradient ", g.shape().DebugString(), ", P̂ ",
+                      p_hats[i].shape().DebugString(), ", Q^T ",
                       qts[i].shape().DebugString()));
-      Tensor* m_out = nullptr;  // M may take the gradient's buffer (inputs and outputs
-                                // by their flat indices: grads and matrices come first)
-      OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({i}, i, g.shape(), &m_out));
+      Updated matrix(ctx, matrices[i].get(), g.NumElements(), i);
+      if (!ctx->status().ok()) return;
       Tensor* p = nullptr;
       OP_REQUIRES_OK(ctx, ps.allocate(i, TensorShape({Rows(g), Rows(qts[i])}), &p));
       const int64_t m = Cols(g), r = Rows(qts[i]);
-      const float *gp = g.flat<float>().data(), *ep = residuals[i].flat<float>().data(),
+      const float *gp = g.flat<float>().data(), *hp = p_hats[i].flat<float>().data(),
                   *qp = qts[i].flat<float>().data();
-      float *mp = m_out->flat<float>().data(), *pp = p->flat<float>().data();
-      ForRows(ctx, Rows(g), m * (2 + 2 * r), [&](int64_t begin, int64_t end) {
-        ProjectRows(gp, ep, mp, qp, pp, m, r, begin, end);
+      float* pp = p->flat<float>().data();
+      ForRows(ctx, Rows(g), m * (4 + 4 * r), [&](int64_t begin, int64_t end) {
+        std::vector<float> a_row(m);
+        ProjectRows(gp, matrix.in(), matrix.out(), hp, qp, scale, pp, a_row.data(), m, r,
+                    begin, end);
       });
+      matrix.Assign();
     }
   }
 };
@@ -282,32 +409,68 @@ class RebuildOp : public OpKernel {
   explicit RebuildOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
 
   void Compute(OpKernelContext* ctx) override {
-    OpInputList matrices, p_hats, qts;
-    OP_REQUIRES_OK(ctx, ctx->input_list("matrices", &matrices));
+    OpInputList p_hats, qts;
     OP_REQUIRES_OK(ctx, ctx->input_list("p_hats", &p_hats));
     OP_REQUIRES_OK(ctx, ctx->input_list("qts", &qts));
-    const float scale = ctx->input(3 * matrices.size()).scalar<float>()();
-    OpOutputList approximations, residuals;
+    OpOutputList approximations;
     OP_REQUIRES_OK(ctx, ctx->output_list("approximations", &approximations));
-    OP_REQUIRES_OK(ctx, ctx->output_list("residuals", &residuals));
-    const int n_matrices = matrices.size();
-    for (int i = 0; i < n_matrices; ++i) {
-      const Tensor& mm = matrices[i];
-      const int64_t m = Cols(mm), r = Rows(qts[i]);
+    for (int i = 0; i < p_hats.size(); ++i) {
+      const int64_t n = Rows(p_hats[i]), m = Cols(qts[i]), r = Rows(qts[i]);
       Tensor* a = nullptr;
-      Tensor* e = nullptr;
-      OP_REQUIRES_OK(ctx, approximations.allocate(i, mm.shape(), &a));
-      // The residual may take M's buffer: each element of M is read before it is written.
-      OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({i}, n_matrices + i,
-                                                                mm.shape(), &e));
-      const float *mp = mm.flat<float>().data(), *pp = p_hats[i].flat<float>().data(),
-                  *qp = qts[i].flat<float>().data();
-      float *ap = a->flat<float>().data(), *ep = e->flat<float>().data();
-      ForRows(ctx, Rows(mm), m * (2 * r + 3), [&](int64_t begin, int64_t end) {
-        RebuildRows(mp, pp, qp, scale, ap, ep, m, r, begin, end);
+      OP_REQUIRES_OK(ctx, approximations.allocate(i, TensorShape({n, m}), &a));
+      const float *pp = p_hats[i].flat<float>().data(), *qp = qts[i].flat<float>().data();
+      float* ap = a->flat<float>().data();
+      ForRows(ctx, n, m * 2 * r, [&](int64_t begin, int64_t end) {
+        for (int64_t row = begin; row < end; ++row) ApproximateRow(pp, qp, ap + row * m, m, r, row);
       });
     }
   }
+};
+
+class RebuildSgdOp : public OpKernel {
+ public:
+  explicit RebuildSgdOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("nesterov", &nesterov_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    OpInputList p_hats, qts;
+    OP_REQUIRES_OK(ctx, ctx->input_list("p_hats", &p_hats));
+    OP_REQUIRES_OK(ctx, ctx->input_list("qts", &qts));
+    const int n = p_hats.size();
+    SgdStep step;
+    step.rate = ctx->input(2 * n).scalar<float>()();
+    step.momentum = ctx->input(2 * n + 1).scalar<float>()();
+    step.nesterov = nesterov_;
+    // Weights (variable i), then velocities (n + i).
+    const int first = 2 * n + 2, count = ctx->num_inputs() - first;
+    step.with_momentum = count == 2 * n;
+    const auto variables = Variables(ctx, first, count);
+    if (!ctx->status().ok()) return;
+    const Locked locked(variables);
+    for (int i = 0; i < n; ++i) {
+      const int64_t rows = Rows(p_hats[i]), m = Cols(qts[i]), r = Rows(qts[i]);
+      Updated weights(ctx, variables[i].get(), rows * m, i);
+      if (!ctx->status().ok()) return;
+      std::unique_ptr<Updated> velocities;
+      if (step.with_momentum) {
+        velocities = std::make_unique<Updated>(ctx, variables[n + i].get(), rows * m, i);
+        if (!ctx->status().ok()) return;
+      }
+      const float *pp = p_hats[i].flat<float>().data(), *qp = qts[i].flat<float>().data();
+      ForRows(ctx, rows, m * (2 * r + 4), [&](int64_t begin, int64_t end) {
+        std::vector<float> a_row(m);
+        SgdRows(pp, qp, weights.in(), weights.out(), velocities ? velocities->in() : nullptr,
+                velocities ? velocities->out() : nullptr, step, a_row.data(), m, r, begin,
+                end);
+      });
+      weights.Assign();
+      if (velocities) velocities->Assign();
+    }
+  }
+
+ private:
+  bool nesterov_ = false;
 };
 
 }  // namespace
@@ -316,16 +479,17 @@ using ::tensorflow::shape_inference::InferenceContext;
 
 REGISTER_OP("TfDistribPowerSgdProject")
     .Input("grads: N * float")
-    .Input("residuals: N * float")
+    .Input("matrices: N * resource")
+    .Input("p_hats: N * float")
     .Input("qts: N * float")
-    .Output("matrices: N * float")
+    .Input("scale: float")
     .Output("ps: N * float")
     .Attr("N: int >= 1")
+    .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
-      const int n = c->num_inputs() / 3;
+      const int n = (c->num_inputs() - 1) / 4;
       for (int i = 0; i < n; ++i) {
-        c->set_output(i, c->input(i));
-        c->set_output(n + i, c->Matrix(c->Dim(c->input(i), 0), c->Dim(c->input(2 * n + i), 0)));
+        c->set_output(i, c->Matrix(c->Dim(c->input(i), 0), c->Dim(c->input(3 * n + i), 0)));
       }
       return ::tensorflow::OkStatus();
     });
@@ -353,21 +517,30 @@ REGISTER_OP("TfDistribPowerSgdBack")
     });
 
 REGISTER_OP("TfDistribPowerSgdRebuild")
-    .Input("matrices: N * float")
     .Input("p_hats: N * float")
     .Input("qts: N * float")
-    .Input("scale: float")
     .Output("approximations: N * float")
-    .Output("residuals: N * float")
     .Attr("N: int >= 1")
     .SetShapeFn([](InferenceContext* c) {
-      const int n = (c->num_inputs() - 1) / 3;
+      const int n = c->num_inputs() / 2;
       for (int i = 0; i < n; ++i) {
-        c->set_output(i, c->input(i));
-        c->set_output(n + i, c->input(i));
+        c->set_output(i, c->Matrix(c->Dim(c->input(i), 0), c->Dim(c->input(n + i), 1)));
       }
       return ::tensorflow::OkStatus();
     });
+
+REGISTER_OP("TfDistribPowerSgdRebuildSgd")
+    .Input("p_hats: N * float")
+    .Input("qts: N * float")
+    .Input("learning_rate: float")
+    .Input("momentum: float")
+    .Input("weights: N * resource")
+    .Input("velocities: V * resource")
+    .Attr("N: int >= 1")
+    .Attr("V: int >= 0")
+    .Attr("nesterov: bool = false")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext*) { return ::tensorflow::OkStatus(); });
 
 REGISTER_KERNEL_BUILDER(Name("TfDistribPowerSgdProject").Device(::tensorflow::DEVICE_CPU),
                         ProjectOp);
@@ -376,5 +549,7 @@ REGISTER_KERNEL_BUILDER(
 REGISTER_KERNEL_BUILDER(Name("TfDistribPowerSgdBack").Device(::tensorflow::DEVICE_CPU), BackOp);
 REGISTER_KERNEL_BUILDER(Name("TfDistribPowerSgdRebuild").Device(::tensorflow::DEVICE_CPU),
                         RebuildOp);
+REGISTER_KERNEL_BUILDER(Name("TfDistribPowerSgdRebuildSgd").Device(::tensorflow::DEVICE_CPU),
+                        RebuildSgdOp);
 
 }  // namespace tf_distrib

@@ -28,6 +28,10 @@ done
 """
 
 
+# A build runs the compiler once per source (at once), then once to link.
+COMPILES = len(native_build.SOURCES)
+
+
 def _compiler(tmp_path, text):
     path = tmp_path / "cxx"
     path.write_text(text)
@@ -56,7 +60,7 @@ def test_a_failed_build_is_remembered_named_and_rebuilt_on_request(tmp_path):
         assert done.returncode == 0, done.stderr
         assert done.stdout.strip() == "None"
         warnings.append(done.stderr)
-    assert _runs(tmp_path) == 1
+    assert _runs(tmp_path) == COMPILES
     for warning in warnings:
         assert "the native ops are not used: it cannot be built" in warning
         assert "error: 'Tensor' was not declared in this scope" in warning
@@ -67,7 +71,7 @@ def test_a_failed_build_is_remembered_named_and_rebuilt_on_request(tmp_path):
     doctor = subprocess.run([sys.executable, "-m", "tf_distrib.doctor", "--rebuild",
                              "--no-probe"], env=env, capture_output=True, text=True,
                             timeout=120)
-    assert _runs(tmp_path) == 2
+    assert _runs(tmp_path) == 2 * COMPILES
     assert "native ops: unavailable" in doctor.stdout
     assert "Python path" in doctor.stdout
 
@@ -86,7 +90,7 @@ def test_eight_processes_using_it_first_at_once_build_it_once(tmp_path):
     [path] = paths
     assert path.startswith(str(tmp_path / "cache"))
     assert open(path).read() == "built\n"
-    assert _runs(tmp_path) == 1
+    assert _runs(tmp_path) == COMPILES + 1
 
 
 def test_the_cache_key_follows_the_compiler_and_the_cache_dir_follows_the_variable(
@@ -98,11 +102,11 @@ def test_the_cache_key_follows_the_compiler_and_the_cache_dir_follows_the_variab
     first = native_build.library_path([], "2.21.0")
     assert os.path.dirname(first) == str(tmp_path / "one")
     assert native_build.library_path([], "2.21.0") == first  # built: not built again
-    assert _runs(tmp_path) == 1
+    assert _runs(tmp_path) == COMPILES + 1
     os.utime(cxx, ns=(0, 0))  # another compiler at the same path
     assert native_build.library_path([], "2.21.0") != first
     assert native_build.library_path([], "2.22.0") != first
-    assert _runs(tmp_path) == 3
+    assert _runs(tmp_path) == 3 * (COMPILES + 1)
 
 
 @pytest.mark.parametrize("setting, cause", [

@@ -93,7 +93,7 @@ def _rows(model):
 def test_the_cost_model_recovers_the_constants_it_was_measured_with():
     from tf_distrib.bench import cluster
 
-    truth = {"a": cluster.ROUND_SECONDS, "e": 0.95, "c": 5e-10, "d": 2e-9, "w": 1e-9,
+    truth = {"a": cluster.ROUND_SECONDS, "e": 0.95, "c": 1e-9, "d": 2e-9, "w": 1e-9,
              "s": 1e-9}
     model = cluster.calibrate(_rows(truth), cores=2)
     # Three hosts, never calibrated on: predicted as the true constants predict it.
@@ -117,7 +117,7 @@ def test_the_cost_model_says_when_it_has_no_fit():
 def test_a_cluster_run_whose_rows_fit_no_model_goes_on_without_predictions(capsys):
     from tf_distrib.bench import cluster
 
-    truth = {"a": cluster.ROUND_SECONDS, "e": 0.95, "c": 5e-10, "d": 2e-9, "w": 1e-9,
+    truth = {"a": cluster.ROUND_SECONDS, "e": 0.95, "c": 1e-9, "d": 2e-9, "w": 1e-9,
              "s": 1e-9}
     rows = _rows(truth)
     assert cluster._model(rows, cores=2) is not None

@@ -168,7 +168,7 @@ def calibrate(rows: list[dict], cores: int) -> dict:
 
     An all-reduce of B bytes (E elements) over H hosts on links of R bytes/s takes
 
-        t = L / (e R) + S a + max(C, o C - (o - 1) / o L / (e R)),
+        t = S a + max(L / (e R), C) + (o - 1) max(0, C - L / (e R) / o),
         C = c T + d U + w W + s M
 
     A flat ring of N workers: S = 2(N-1) rounds of messages, L = 2(N-1)/N B sent over
@@ -177,14 +177,16 @@ def calibrate(rows: list[dict], cores: int) -> dict:
     H hosts): S = 2(H-1), L = 2(H-1)/H B, T = L / P, U = (H-1)/H E / P in the ring plus
     (P-1)/P E in the host's shared memory (each worker sums its 1/P of the P workers'
     gradients), and M = B bytes through the host's shared memory. W = U for 16-bit
-    floats (summed in float32: the casts), else 0. C is a worker's CPU time; o, the
-    processes per core (at least 1; 3 or 4 simulated hosts share this machine's cores),
-    makes a worker wait for the CPU time of those that share its core, less what runs
-    while it waits for its own link. a: seconds per round (a round trip and thread
-    hand-offs: `ROUND_SECONDS`, measured apart), e: the share of the link's rate the TCP
-    streams reach, c: CPU seconds per byte (copies, the kernel's TCP), d: per element
-    summed, w: more per 16-bit element, s: per byte of shared memory. e by a grid,
-    (c, d, w, s) by least squares on the relative error, none negative.
+    floats (summed in float32: the casts), else 0. C is a worker's CPU time, and it
+    overlaps the link's: the kernel streams one chunk while the worker sums the last, so
+    the slower of the two sets the pace. o, the processes per core (at least 1; 3 or 4
+    simulated hosts share this machine's cores), makes a worker wait for the CPU time of
+    those that share its core too, beyond their share of its link's time. a: seconds
+    per round (a round trip and thread hand-offs: `ROUND_SECONDS`, measured apart), e:
+    the share of the link's rate the TCP streams reach, c: CPU seconds per byte (copies,
+    the kernel's TCP), d: per element summed, w: more per 16-bit element, s: per byte of
+    shared memory. e by a grid, (c, d, w, s) by least squares on the relative error,
+    none negative.
 
     Args:
         rows: Measured rows ("rate", "hosts", "per_host", "mode", "dtype", "bytes",
@@ -216,24 +218,31 @@ def calibrate(rows: list[dict], cores: int) -> dict:
 
 _CONSTANTS = ("c", "d", "w", "s")
 LAWSON_ITERATIONS = 50
+# A row took its link's time (not its CPU's) if it took less than this times the link's.
+LINK_BOUND = 1.1
 
 
 def _least_squares(rows: list[dict], e: float, cores: int, measured) -> dict | None:
     """(c, d, w, s) for link share `e` that make the worst relative error least, none
-    negative; None where every one would be. The max() of `calibrate`'s model is linear
-    in them once each row's side is known: start with every row's shared side, refit
-    until no row changes side. Each fit is Lawson's: least squares reweighted by each
-    row's error, which tends to the least worst error."""
+    negative; None where every one would be. `calibrate`'s model is linear in them once
+    each row's sides of its two max() are known: start with the rows that took about
+    their link's time on the link's side and the rest on the CPU's, refit until no row
+    changes side, and keep the fit of least worst error. Each fit is Lawson's: least
+    squares reweighted by each row's error, which tends to the least worst error."""
     import numpy as np
 
-    sides = [True] * len(rows)
+    sides = []
+    for row, seconds in zip(rows, measured, strict=True):
+        _, link, rounds, _ = _terms(row, e, cores)
+        sides.append((seconds - ROUND_SECONDS * rounds > LINK_BOUND * link, True))
+    best = None
     for _ in range(len(rows) + 1):
         features, fixed = [], []
-        for row, shared in zip(rows, sides, strict=True):
+        for row, (busy_side, shared) in zip(rows, sides, strict=True):
             cpu, link, rounds, over = _terms(row, e, cores)
-            factor = over if shared else 1.0
+            factor = float(busy_side) + (over - 1) * shared
             features.append([factor * v for v in cpu])
-            fixed.append(link + ROUND_SECONDS * rounds
+            fixed.append(ROUND_SECONDS * rounds + link * (not busy_side)
                          - (over - 1) / over * link * shared)
         a = np.array(features) / measured[:, None]
         b = (measured - np.array(fixed)) / measured
@@ -242,21 +251,28 @@ def _least_squares(rows: list[dict], e: float, cores: int, measured) -> dict | N
             root = np.sqrt(weights)[:, None]
             coefficients = _non_negative(a * root, b * root[:, 0])
             if coefficients is None:
-                return None
+                break
             errors = np.abs(a @ coefficients - b)
             if not errors.any():
                 break
             weights = weights * errors / (weights * errors).sum()
+        if coefficients is None:
+            break
         constants = dict(zip(_CONSTANTS, (float(k) for k in coefficients), strict=True))
+        model = {"a": ROUND_SECONDS, "e": e, **constants}
+        worst = max(abs(predict(model, row, cores) / seconds - 1)
+                    for row, seconds in zip(rows, measured, strict=True))
+        if best is None or worst < best[0]:
+            best = (worst, constants)
         now = []
         for row in rows:
             cpu, link, _, over = _terms(row, e, cores)
             busy = _cpu_seconds(constants, cpu)
-            now.append(over * busy - (over - 1) / over * link > busy)
+            now.append((busy >= link, busy > link / over))
         if now == sides:
             break
         sides = now
-    return constants
+    return None if best is None else best[1]
 
 
 def _non_negative(a, b):
@@ -282,7 +298,7 @@ def predict(model: dict, row: dict, cores: int | None = None) -> float:
     "bytes") by the model; `cores` shared by every process (None: each host its own)."""
     cpu, link, rounds, over = _terms(row, model["e"], cores)
     busy = _cpu_seconds(model, cpu)
-    return link + model["a"] * rounds + max(busy, over * busy - (over - 1) / over * link)
+    return model["a"] * rounds + max(link, busy) + (over - 1) * max(0.0, busy - link / over)
 
 
 def _cpu_seconds(constants: dict, cpu: list[float]) -> float:

@@ -38,6 +38,7 @@ def sum_both_ways(directory):
     import tensorflow as tf
 
     from tf_distrib.transport import graph_op
+    from tf_distrib.transport.sgd_step import SgdStep
 
     t = _connect(directory)
     rank, world = t.rank, t.world
@@ -60,9 +61,9 @@ def sum_both_ways(directory):
             weights, velocities = _addends(world, sizes), _addends(world + 1, sizes)
             stepped = [tf.Variable(w) for w in weights]
             accelerated = [tf.Variable(w) for w in (*weights, *velocities)]
-            graph_op.sgd(t, rate, mine, stepped)
-            graph_op.sgd(t, rate, mine, accelerated[:len(sizes)], momentum=momentum,
-                         velocities=accelerated[len(sizes):])
+            graph_op.sgd(t, SgdStep(rate, stepped), mine)
+            graph_op.sgd(t, SgdStep(rate, accelerated[:len(sizes)], momentum,
+                                    accelerated[len(sizes):]), mine)
             expected = [m * momentum - s * rate for m, s in zip(velocities, python, strict=True)]
             expected = [*(w + v for w, v in zip(weights, expected, strict=True)), *expected]
             report["sgd"].append(
@@ -186,6 +187,7 @@ def step_while_values_are_held(directory):
     import tensorflow as tf
 
     from tf_distrib.transport import graph_op
+    from tf_distrib.transport.sgd_step import SgdStep
 
     t = _connect(directory)
     gradient = [np.full(1000, t.rank + 1, np.float32)]  # 3 summed over 2 workers
@@ -193,7 +195,7 @@ def step_while_values_are_held(directory):
     held, report = [], {}
 
     def step():
-        graph_op.sgd(t, np.float32(0.5), gradient, weights)
+        graph_op.sgd(t, SgdStep(np.float32(0.5), weights), gradient)
         report.setdefault("regions", []).append(t.native.region_updates)
         report.setdefault("in place", []).append(t.native.in_place_updates)
 
@@ -331,12 +333,13 @@ def sum_against_an_sgd_step(directory):
     import tensorflow as tf
 
     from tf_distrib.transport import graph_op
+    from tf_distrib.transport.sgd_step import SgdStep
 
     t = _connect(directory)
     ones = [np.ones(3, np.float32)]
     try:
         if t.rank == 0:
-            graph_op.sgd(t, np.float32(0.1), ones, [tf.Variable(ones[0])])
+            graph_op.sgd(t, SgdStep(np.float32(0.1), [tf.Variable(ones[0])]), ones)
         else:
             graph_op.all_reduce(t, ones)
     except Exception as e:  # noqa: BLE001  (the test reads the message)

@@ -27,8 +27,9 @@ from tf_distrib.cross_device.compression import (
     encode_for_sum,
     get_compressor,
 )
-from tf_distrib.cross_device.powersgd import PowerSGD, PowerSGDAllReduce, SgdStep
+from tf_distrib.cross_device.powersgd import PowerSGD, PowerSGDAllReduce
 from tf_distrib.transport import buffers, graph_op
+from tf_distrib.transport.sgd_step import SgdStep
 
 SUM = tf.distribute.ReduceOp.SUM
 # Attribute of a strategy made by make_strategy(): its GradientAllReduce, or None.
@@ -85,8 +86,7 @@ class GradientAllReduce:
         if self.powersgd is not None:
             self.powersgd.load_worker_state(rows, row)
 
-    def sgd(self, learning_rate, grads: list, variables: list, momentum=None,
-            velocities: list | None = None, nesterov: bool = False) -> bool:
+    def sgd(self, step: SgdStep, grads: list) -> bool:
         """Keras' SGD step fused into the all-reduce, where it can be: the transport's
         native op sums the gradients, each worker updates only its part of the weights
         (and velocities), and the op assigns the variables bitwise what `__call__` and
@@ -95,12 +95,9 @@ class GradientAllReduce:
         (`PowerSGDAllReduce.sgd`).
 
         Args:
-            learning_rate: The step's learning rate (a float32 scalar).
+            step: Keras' step: its learning rate, variables (one per gradient) and
+                momentum.
             grads: The replica's gradients.
-            variables: The `tf.Variable`s they update, one per gradient.
-            momentum: The momentum (a float32 scalar), with `velocities`. Defaults to None.
-            velocities: The momentum's `tf.Variable`s, one per gradient. Defaults to None.
-            nesterov: Nesterov's momentum. Defaults to False.
 
         Returns:
             Whether the step ran (assigning the variables); False where this all-reduce
@@ -108,18 +105,16 @@ class GradientAllReduce:
         """
         if self.transport is None or any(
                 isinstance(t, tf.IndexedSlices) or t.dtype != tf.float32
-                for t in (*grads, *variables, *(velocities or ()))):
+                for t in (*grads, *step.variables, *(step.velocities or ()))):
             return False
         if self.powersgd is not None:
             if self.transport.op_library is None:
                 return False
-            self.powersgd.sgd(SgdStep(learning_rate, variables, momentum, velocities, nesterov),
-                              list(grads))
+            self.powersgd.sgd(step, list(grads))
             return True
         if self.transport.native is None or not isinstance(self.compressor, NoCompression):
             return False
-        graph_op.sgd(self.transport, learning_rate, grads, variables, momentum=momentum,
-                     velocities=velocities, nesterov=nesterov)
+        graph_op.sgd(self.transport, step, grads)
         return True
 
     def __call__(self, grads: list) -> list:

@@ -23,6 +23,7 @@ import tensorflow as tf
 from tf_distrib import _compat
 from tf_distrib._checks import check_int
 from tf_distrib.transport import graph_op
+from tf_distrib.transport.sgd_step import SgdStep
 
 __all__ = ["PowerSGD", "PowerSGDAllReduce"]
 
@@ -273,49 +274,6 @@ class _Kernels:
             p_hats, qts, step.learning_rate,
             tf.constant(0.0) if step.momentum is None else step.momentum,
             [step.variables[i].handle for i in indices], velocities, nesterov=step.nesterov)
-
-
-@dataclasses.dataclass(frozen=True)
-class SgdStep:
-    """Keras' `SGD` update, as `GradientAllReduce.sgd` receives it.
-
-    Args:
-        learning_rate: The step's learning rate (a float32 scalar).
-        variables: The `tf.Variable`s (this replica's), one per gradient.
-        momentum: The momentum (a float32 scalar), with `velocities`. Defaults to None.
-        velocities: The momentum's `tf.Variable`s, one per gradient. Defaults to None.
-        nesterov: Nesterov's momentum. Defaults to False.
-    """
-
-    learning_rate: tf.Tensor
-    variables: list
-    momentum: tf.Tensor | None = None
-    velocities: list | None = None
-    nesterov: bool = False
-
-    def apply(self, sums: list[tf.Tensor], indices):
-        """Keras' `SGD.update_step` on `sums` for the variables at `indices`, op for op
-        (the same bits), on the variables' handles: in replica context, where Keras would
-        need its cross-replica `update`.
-
-        Returns:
-            The step's op.
-        """
-        ops = []
-        for g, i in zip(sums, indices, strict=True):
-            weights, descent = self.variables[i].handle, g * self.learning_rate
-            if self.velocities is None:
-                ops.append(tf.raw_ops.AssignSubVariableOp(resource=weights, value=descent))
-                continue
-            velocity = self.velocities[i].handle
-            new = _read(velocity) * self.momentum - descent
-            with tf.control_dependencies([tf.raw_ops.AssignVariableOp(resource=velocity,
-                                                                      value=new)]):
-                new = _read(velocity)
-                value = new * self.momentum - descent if self.nesterov else new
-                ops.append(tf.raw_ops.AssignAddVariableOp(resource=weights, value=value))
-        with tf.control_dependencies(ops):
-            return tf.constant(True)
 
 
 def _read(handle) -> tf.Tensor:

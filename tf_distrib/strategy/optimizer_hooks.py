@@ -20,6 +20,7 @@ import tensorflow as tf
 from tf_distrib import _compat
 from tf_distrib._checks import is_int
 from tf_distrib.cross_device import gradients
+from tf_distrib.transport.sgd_step import SgdStep
 
 _ATTRIBUTE = gradients.ATTRIBUTE
 _FEATURE = "make_strategy()'s gradient path"
@@ -85,8 +86,8 @@ def _fused_sgd(optimizer, grads, variables, learning_rate) -> bool:
         velocities = [optimizer.momentums[index(v)].value for v in variables]
         momentum = keras.ops.cast(optimizer.momentum, "float32")
     variables = [v.value if isinstance(v, keras.Variable) else v for v in variables]
-    return reduce.sgd(keras.ops.cast(learning_rate, "float32"), list(grads), variables,
-                      momentum=momentum, velocities=velocities, nesterov=optimizer.nesterov)
+    return reduce.sgd(SgdStep(keras.ops.cast(learning_rate, "float32"), variables, momentum,
+                              velocities, optimizer.nesterov), list(grads))
 
 
 def _route_apply(original):

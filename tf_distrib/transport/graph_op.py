@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from tf_distrib.transport import backward_order
 from tf_distrib.transport.collective import Transport
+from tf_distrib.transport.sgd_step import SgdStep
 
 # Transport -> its token variable.
 _tokens: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -49,18 +50,15 @@ def all_reduce(transport: Transport, tensors: list[tf.Tensor]) -> list[tf.Tensor
         name="tf_distrib_all_reduce")), tensors)
 
 
-def sgd(transport: Transport, learning_rate, gradients: list[tf.Tensor],
-        weights: list[tf.Variable], **momentum):
-    """Keras' SGD step on the sums of `gradients` (float32) across the workers, fused into
-    the all-reduce by the transport's native op (`transport.native` must be set), which
-    assigns `weights` (this replica's variables; equal on every worker afterwards); the
-    momentum's arguments as `NativeSum.sgd` takes them.
+def sgd(transport: Transport, step: SgdStep, gradients: list[tf.Tensor]):
+    """Keras' SGD `step` on the sums of `gradients` (float32) across the workers, fused
+    into the all-reduce by the transport's native op (`transport.native` must be set),
+    which assigns the step's variables (this replica's; equal on every worker afterwards).
 
     Returns:
         The op (None when run eagerly).
     """
-    return _ordered(transport, lambda ticket: transport.native.sgd(
-        ticket, learning_rate, gradients, weights, **momentum))
+    return _ordered(transport, lambda ticket: transport.native.sgd(ticket, step, gradients))
 
 
 def all_reduce_buckets(transport: Transport, buckets: list[list[tf.Tensor]]) -> list[list]:

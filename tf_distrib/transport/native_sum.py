@@ -137,33 +137,24 @@ class NativeSum:
         return self._library.tf_distrib_shared_sum(ticket, tensors, dtype_code=code,
                                                    name="tf_distrib_all_reduce", **self._attrs)
 
-    def sgd(self, ticket, learning_rate, gradients, weights, momentum=None, velocities=None,
-            nesterov=False):
-        """Keras' SGD step on the sums over workers of `gradients` (float32), each worker
-        computing its part, after the op that made `ticket`: assigns the variables bitwise
-        the values Keras' step gives on `all_reduce`'s sums.
-
-        Args:
-            ticket: The collective's number (`graph_op`).
-            learning_rate: A float32 scalar.
-            gradients: This worker's gradients.
-            weights: The weights' `tf.Variable`s (this replica's), one per gradient.
-            momentum: A float32 scalar, with `velocities`. Defaults to None (no momentum).
-            velocities: The momentum's `tf.Variable`s, one per gradient. Defaults to None.
-            nesterov: Nesterov's momentum. Defaults to False.
+    def sgd(self, ticket, step, gradients):
+        """Keras' SGD `step` (an `SgdStep`) on the sums over workers of `gradients`
+        (float32), each worker computing its part, after the op that made `ticket`:
+        assigns the step's variables bitwise the values Keras' step gives on
+        `all_reduce`'s sums.
 
         Returns:
             The op (None when run eagerly).
         """
-        handles = [v.handle for v in weights]
-        if velocities is None:
+        handles = [v.handle for v in step.variables]
+        if step.velocities is None:
             return self._library.tf_distrib_shared_sgd(
-                ticket, learning_rate, gradients, handles, dtype_code=_SGD_CODE,
+                ticket, step.learning_rate, gradients, handles, dtype_code=_SGD_CODE,
                 name="tf_distrib_all_reduce_sgd", **self._attrs)
         return self._library.tf_distrib_shared_momentum(
-            ticket, learning_rate, momentum, gradients, handles, [v.handle for v in velocities],
-            nesterov=nesterov, dtype_code=_MOMENTUM_CODE, name="tf_distrib_all_reduce_momentum",
-            **self._attrs)
+            ticket, step.learning_rate, step.momentum, gradients, handles,
+            [v.handle for v in step.velocities], nesterov=step.nesterov,
+            dtype_code=_MOMENTUM_CODE, name="tf_distrib_all_reduce_momentum", **self._attrs)
 
     @property
     def region_updates(self) -> int:

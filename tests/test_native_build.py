@@ -1,6 +1,7 @@
 """The native op's build: once per machine, a failed build remembered with its cause."""
 
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -107,6 +108,11 @@ def test_the_cache_key_follows_the_compiler_and_the_cache_dir_follows_the_variab
     assert native_build.library_path([], "2.21.0") != first
     assert native_build.library_path([], "2.22.0") != first
     assert _runs(tmp_path) == 3 * (COMPILES + 1)
+    header = tmp_path / "native_update.h"  # a header the sources include, changed
+    header.write_bytes(pathlib.Path(native_build.HEADERS[0]).read_bytes() + b"\n")
+    monkeypatch.setattr(native_build, "HEADERS", (str(header),))
+    assert native_build.library_path([], "2.22.0") != first
+    assert _runs(tmp_path) == 4 * (COMPILES + 1)
 
 
 @pytest.mark.parametrize("setting, cause", [

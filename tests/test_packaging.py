@@ -58,7 +58,7 @@ def test_the_wheel_ships_the_native_ops_source(tmp_path):
     assert done.returncode == 0, done.stderr
     [wheel] = tmp_path.glob("tf_distrib-*.whl")
     with zipfile.ZipFile(wheel) as z:
-        assert {"tf_distrib/transport/native_sum.cc",
+        assert {"tf_distrib/transport/native_sum.cc", "tf_distrib/transport/native_update.h",
                 "tf_distrib/cross_device/powersgd_ops.cc"} <= set(z.namelist())
 
 

@@ -35,6 +35,7 @@
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/util/work_sharder.h"
+#include "../transport/native_update.h"
 
 namespace tf_distrib {
 namespace {
@@ -169,44 +170,40 @@ VECTOR_CLONES void BackRows(const float* mm, const float* p, float* qt_out, int6
   }
 }
 
-// Keras' SGD step on a sum A, rounded as TensorFlow's kernels round Keras' ops (no fused
-// multiply-adds): `w - A * rate`; with momentum `v' = v * momentum - A * rate`, then
-// `w + v'`, or Nesterov's `w + (v' * momentum - A * rate)`. Each new value may overwrite
-// its old one (an element is read before it is written).
+// Keras' SGD step's arguments (native_update.h has its arithmetic).
 struct SgdStep {
   float rate = 0, momentum = 0;
   bool with_momentum = false, nesterov = false;
 };
 
 // Rows [begin, end) of Keras' SGD step on A: the weights (w_in -> w_out) and velocities
-// (v_in -> v_out, with momentum). A's row lives in `a_row`.
+// (v_in -> v_out, with momentum). A's row lives in `a_row`. Each new value may overwrite
+// its old one (an element is read before it is written).
 VECTOR_CLONES void SgdRows(const float* p, const float* qt, const float* w_in, float* w_out,
                            const float* v_in, float* v_out, SgdStep step, float* a_row,
                            int64_t m, int64_t r, int64_t begin, int64_t end) {
   const int64_t body = m / kLanes * kLanes;
-  const v16 rv = Splat(step.rate), mv = Splat(step.momentum);
   for (int64_t i = begin; i < end; ++i) {
     const int64_t at = i * m;
     ApproximateRow(p, qt, a_row, m, r, i);
     for (int64_t j = 0; j < body; j += kLanes) {
-      const v16 descent = Load(a_row + j) * rv;
+      const v16 a = Load(a_row + j), w = Load(w_in + at + j);
       if (!step.with_momentum) {
-        Store(w_out + at + j, Load(w_in + at + j) - descent);
+        Store(w_out + at + j, SgdWeight(w, a, step.rate));
         continue;
       }
-      const v16 v = Load(v_in + at + j) * mv - descent;
+      v16 v;
+      Store(w_out + at + j, MomentumWeight(w, Load(v_in + at + j), a, step.rate,
+                                           step.momentum, step.nesterov, &v));
       Store(v_out + at + j, v);
-      Store(w_out + at + j, Load(w_in + at + j) + (step.nesterov ? v * mv - descent : v));
     }
     for (int64_t j = body; j < m; ++j) {
-      const float descent = a_row[j] * step.rate;
       if (!step.with_momentum) {
-        w_out[at + j] = w_in[at + j] - descent;
+        w_out[at + j] = SgdWeight(w_in[at + j], a_row[j], step.rate);
         continue;
       }
-      const float v = v_in[at + j] * step.momentum - descent;
-      v_out[at + j] = v;
-      w_out[at + j] = w_in[at + j] + (step.nesterov ? v * step.momentum - descent : v);
+      w_out[at + j] = MomentumWeight(w_in[at + j], v_in[at + j], a_row[j], step.rate,
+                                     step.momentum, step.nesterov, &v_out[at + j]);
     }
   }
 }
@@ -221,24 +218,6 @@ void ForRows(OpKernelContext* ctx, int64_t rows, int64_t cost_per_row, Work work
 
 int64_t Rows(const Tensor& t) { return t.dim_size(0); }
 int64_t Cols(const Tensor& t) { return t.dim_size(1); }
-
-// Variables locked in address order (no deadlock with another op that locks some of
-// them) until destroyed.
-class Locked {
- public:
-  explicit Locked(const std::vector<::tensorflow::core::RefCountPtr<::tensorflow::Var>>& v) {
-    std::vector<::tensorflow::mutex*> mutexes;
-    for (const auto& variable : v) mutexes.push_back(variable->mu());
-    std::sort(mutexes.begin(), mutexes.end());
-    mutexes.erase(std::unique(mutexes.begin(), mutexes.end()), mutexes.end());
-    for (::tensorflow::mutex* mu : mutexes) {
-      locks_.push_back(std::make_unique<::tensorflow::mutex_lock>(*mu));
-    }
-  }
-
- private:
-  std::vector<std::unique_ptr<::tensorflow::mutex_lock>> locks_;
-};
 
 // The variables of resource inputs [first, first + count), looked up; empty on error.
 std::vector<::tensorflow::core::RefCountPtr<::tensorflow::Var>> Variables(
@@ -266,8 +245,7 @@ class Updated {
                 ::tensorflow::errors::InvalidArgument(
                     "the variable of matrix ", i, " is ", old_.DebugString(),
                     ", not an initialized float32 of ", elements, " values"));
-    // The variable and old_ hold the buffer: nothing else reads it.
-    if (!variable->copy_on_read_mode.load() && old_.RefCount() == 2) {
+    if (!variable->copy_on_read_mode.load() && OnlyTheVariableHolds(old_)) {
       new_ = old_;
     } else {
       OP_REQUIRES_OK(ctx, ctx->allocate_temp(::tensorflow::DT_FLOAT, old_.shape(), &new_));

@@ -1,14 +1,14 @@
 """Builds the native ops once per machine and remembers a failed build.
 
 The ops (`native_sum.cc`: the shared-memory all-reduce; `cross_device/powersgd_ops.cc`:
-PowerSGD's arithmetic) are compiled into one library against the installed TensorFlow
-on first use, into `TF_DISTRIB_CACHE_DIR` (default `$XDG_CACHE_HOME/tf_distrib`, else
-~/.cache/tf_distrib). Its cache key covers the sources, TensorFlow's version and flags,
-the compiler (path, size, modification time), the machine and the C library, so a shared
-home directory never serves a library built elsewhere. Workers that start together take one lock:
-one builds, the others wait and load its library. A failed build is written beside
-the library with its reason and not tried again until one of those inputs changes or
-`tf-distrib doctor --rebuild` asks.
+PowerSGD's arithmetic; both include `native_update.h`) are compiled into one library
+against the installed TensorFlow on first use, into `TF_DISTRIB_CACHE_DIR` (default
+`$XDG_CACHE_HOME/tf_distrib`, else ~/.cache/tf_distrib). Its cache key covers the sources
+and the header, TensorFlow's version and flags, the compiler (path, size, modification
+time), the machine and the C library, so a shared home directory never serves a library
+built elsewhere. Workers that start together take one lock: one builds, the others wait
+and load its library. A failed build is written beside the library with its reason and
+not tried again until one of those inputs changes or `tf-distrib doctor --rebuild` asks.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from tf_distrib import contract
 _PACKAGE = os.path.dirname(os.path.dirname(__file__))
 SOURCES = (os.path.join(_PACKAGE, "transport", "native_sum.cc"),
            os.path.join(_PACKAGE, "cross_device", "powersgd_ops.cc"))
+HEADERS = (os.path.join(_PACKAGE, "transport", "native_update.h"),)
 # A first build takes ~10 s on two cores (~20 s on one); its peers wait for it
 # (`connect`'s timeout).
 BUILD_TIMEOUT_SECONDS = 60.0
@@ -96,7 +97,7 @@ def library_path(flags: list[str], tf_version: str, *, rebuild: bool = False) ->
 
 def _key(cxx: str, flags: list[str], tf_version: str) -> str:
     """What decides whether a built library (or a failure) still holds, as 16 hex digits."""
-    sources = [pathlib.Path(source).read_bytes() for source in SOURCES]
+    sources = [pathlib.Path(source).read_bytes() for source in (*SOURCES, *HEADERS)]
     stat = os.stat(cxx)
     parts = [*sources, tf_version, os.path.realpath(cxx), stat.st_size, stat.st_mtime_ns,
              platform.machine(), *platform.libc_ver(), *flags]
@@ -119,15 +120,16 @@ def _compile(cxx: str, flags: list[str], path: str) -> str | None:
                      for source, obj in zip(SOURCES, objects, strict=True)]
         # Every compile is waited for (a failed one does not stop the others): the same
         # runs whatever fails first.
-        errors = [(p, p.communicate(timeout=max(deadline - time.monotonic(), 0))[1])
-                  for p in processes]
-        errors = [(p.returncode, text) for p, text in errors if p.returncode != 0]
-        if not errors:
+        outputs = [p.communicate(timeout=max(deadline - time.monotonic(), 0))[1]
+                   for p in processes]
+        failures = [(p.returncode, text) for p, text in zip(processes, outputs, strict=True)
+                    if p.returncode != 0]
+        if not failures:
             link = subprocess.run([cxx, *objects, "-o", partial, *flags], capture_output=True,
                                   text=True, timeout=max(deadline - time.monotonic(), 0))
-            errors = [(link.returncode, link.stderr)] if link.returncode != 0 else []
-        if errors:
-            status, text = errors[0]
+            failures = [(link.returncode, link.stderr)] if link.returncode != 0 else []
+        if failures:
+            status, text = failures[0]
             lines = text.strip().splitlines()
             first = next((line for line in lines if "error" in line.lower()),
                          lines[0] if lines else "no output")

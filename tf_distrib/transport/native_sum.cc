@@ -63,6 +63,7 @@
 #include "tensorflow/core/framework/resource_var.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/framework/tensor.h"
+#include "native_update.h"
 
 namespace tf_distrib {
 namespace {
@@ -105,21 +106,16 @@ template <typename T>
 void AddTo(T* __restrict sum, const T* __restrict b, int64_t n) {
   for (int64_t j = 0; j < n; ++j) sum[j] += b[j];
 }
-// Keras' SGD steps, each operation rounded as TensorFlow's kernels round it (the build
-// turns contracting them into fused multiply-adds off). Without momentum `w - g * rate`;
-// with it `m' = m * momentum - g * rate`, then `w + m'`, or Nesterov's
-// `w + (m' * momentum - g * rate)`. The sum `g` is overwritten with the new weights.
+// Keras' SGD steps on the sum `g` (native_update.h), overwriting it with the new weights.
 template <typename T>
 void Descend(T* __restrict g, const T* __restrict w, T rate, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) g[j] = w[j] - g[j] * rate;
+  for (int64_t j = 0; j < n; ++j) g[j] = SgdWeight(w[j], g[j], rate);
 }
 template <typename T>
 void Accelerate(T* __restrict g, T* __restrict velocity, const T* __restrict w,
                 const T* __restrict m, T rate, T momentum, bool nesterov, int64_t n) {
   for (int64_t j = 0; j < n; ++j) {
-    const T step = g[j] * rate, v = m[j] * momentum - step;
-    velocity[j] = v;
-    g[j] = w[j] + (nesterov ? v * momentum - step : v);
+    g[j] = MomentumWeight(w[j], m[j], g[j], rate, momentum, nesterov, &velocity[j]);
   }
 }
 
@@ -198,25 +194,6 @@ class RegionBuffer : public ::tensorflow::TensorBuffer {
  private:
   size_t bytes_;
   int64_t* holders_;
-};
-
-// Holds variables' mutexes, each once, taken in address order as TensorFlow's kernels take
-// several: no reader sees an update half written, and the variables' values keep the
-// holders they had when the update chose where to write.
-class Locked {
- public:
-  explicit Locked(const std::vector<::tensorflow::core::RefCountPtr<::tensorflow::Var>>& v) {
-    for (const auto& variable : v) mutexes_.push_back(variable->mu());
-    std::sort(mutexes_.begin(), mutexes_.end());
-    mutexes_.erase(std::unique(mutexes_.begin(), mutexes_.end()), mutexes_.end());
-    for (::tensorflow::mutex* m : mutexes_) m->lock();
-  }
-  ~Locked() {
-    for (auto m = mutexes_.rbegin(); m != mutexes_.rend(); ++m) (*m)->unlock();
-  }
-
- private:
-  std::vector<::tensorflow::mutex*> mutexes_;
 };
 
 template <typename T, Update kUpdate>
@@ -405,7 +382,7 @@ class SharedSum : public OpKernel {
     for (int k = 0; k < kOutputs; ++k) {
       for (int i = 0; i < n; ++i) {
         const Tensor& value = values[k * n + i];
-        if (value.data() != Region(r) + k * total + a.start[i] || value.RefCount() != 2) {
+        if (value.data() != Region(r) + k * total + a.start[i] || !OnlyTheVariableHolds(value)) {
           return false;
         }
       }

@@ -200,7 +200,7 @@ def calibrate(rows: list[dict], cores: int) -> dict:
 
     measured = np.array([r["seconds"] for r in rows])
     best = None
-    for e in np.linspace(0.85, 1.15, 31):
+    for e in np.linspace(0.70, 1.15, 46):  # this VM's slow phases leave links 71% busy
         constants = _least_squares(rows, float(e), cores, measured)
         if constants is None:
             continue

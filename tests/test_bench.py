@@ -151,28 +151,54 @@ def test_a_benchmark_s_temporary_files_are_removed_after_it(tmp_path, monkeypatc
     assert (os.environ.get("TMPDIR"), tempfile.gettempdir()) == before
 
 
-def _measure_then_exit(abort: str):
+def _measure_then_exit(abort: str, directory: str):
     """A benchmark process that returns its measurement, aborting after (`abort` "after")
-    or before it returns (`abort` "before") when it is worker 1."""
+    or before it returns (`abort` "before") when it is worker 1. After: at exit, once
+    worker 0 has exited (its pid in `directory`), as a gloo process that its peers
+    finished with."""
     import atexit
     import os
     import resource
+    import time
 
-    if os.environ["TF_DISTRIB_WORKER_INDEX"] == "1":
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file where tests run
-        if abort == "before":
-            os.abort()
-        atexit.register(os.abort)  # as a gloo process does at exit, after it measured
+    pid_file = os.path.join(directory, "worker-0.pid")
+    if os.environ["TF_DISTRIB_WORKER_INDEX"] == "0":
+        with open(pid_file + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(pid_file + ".tmp", pid_file)
+        return {"examples_per_sec": 100.0, "cpu_per_step": 0.01}
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file where tests run
+    if abort == "before":
+        os.abort()
+
+    def abort_once_worker_0_exited():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not _exited(pid_file):
+            time.sleep(0.01)
+        os.abort()
+
+    atexit.register(abort_once_worker_0_exited)
     return {"examples_per_sec": 100.0, "cpu_per_step": 0.01}
 
 
-def test_a_peer_run_whose_process_aborts_after_measuring_keeps_its_measurement():
+def _exited(pid_file: str) -> bool:
+    """Whether the process whose pid `pid_file` holds has exited (a zombie counts)."""
+    try:
+        with open(pid_file) as f, open(f"/proc/{f.read()}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError as e:
+        return e.filename != pid_file  # no pid file yet: not yet; no /proc entry: exited
+
+
+def test_a_peer_run_whose_process_aborts_after_measuring_keeps_its_measurement(tmp_path):
     from tf_distrib.bench.pytorch_ddp import measured
     from tf_distrib.launch import launch
 
-    after = launch(_measure_then_exit, 2, args=("after",), quiet=True, timeout=120)
+    after = launch(_measure_then_exit, 2, args=("after", str(tmp_path)), quiet=True,
+                   timeout=120)
     assert after.exit_code != 0  # worker 1 died of SIGABRT at exit
     assert measured(after) == [{"examples_per_sec": 100.0, "cpu_per_step": 0.01}] * 2
-    before = launch(_measure_then_exit, 2, args=("before",), quiet=True, timeout=120)
+    before = launch(_measure_then_exit, 2, args=("before", str(tmp_path)), quiet=True,
+                    timeout=120)
     assert before.exit_code != 0
     assert measured(before) is None

@@ -14,7 +14,7 @@ import shutil
 import signal
 import time
 
-from tf_distrib.launch import liveness
+from tf_distrib.launch import liveness, snapshots
 from tf_distrib.testing import simulated_hosts
 from tf_distrib.transport.shared_memory import SEGMENT_PREFIX
 
@@ -57,11 +57,39 @@ def segments(since: float, directory: str = "/dev/shm") -> list[str]:
     return found
 
 
+def held_elsewhere(path: str, session: set[int]) -> bool:
+    """Whether a live process outside `session` (pids) holds `path`: maps or opens it (a
+    transport's segment, a snapshot's files), or is the launcher whose snapshot directory
+    it is (the name holds its pid). Such a segment is another program's, in use (a test
+    session beside this one), not this session's leftover."""
+    name = os.path.basename(path)
+    if name.startswith(snapshots.PREFIX):
+        pid = name[len(snapshots.PREFIX):].partition("-")[0]
+        if pid.isdigit() and int(pid) not in session and alive(int(pid)):
+            return True
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in session:
+            continue
+        try:
+            with open(f"/proc/{entry}/maps") as f:
+                if path in f.read():
+                    return True
+            descriptors = os.listdir(f"/proc/{entry}/fd")
+        except OSError:  # it exited meanwhile, or is not ours to read
+            continue
+        for fd in descriptors:
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{entry}/fd/{fd}").startswith(path):
+                    return True
+    return False
+
+
 def collect(tmpdir: str, since: float, grace: float = 10.0) -> list[str]:
     """Removes what the session left behind and says what it was.
 
     Waits up to `grace` seconds for the session's processes to exit, then kills those
-    left; removes its segments, the simulated hosts of its killed processes and `tmpdir`.
+    left; removes its segments (those made since `since` that no process outside the
+    session holds), the simulated hosts of its killed processes and `tmpdir`.
     Simulated hosts this process still has open are named; their `atexit` removes them.
 
     Args:
@@ -75,12 +103,15 @@ def collect(tmpdir: str, since: float, grace: float = 10.0) -> list[str]:
     deadline = time.monotonic() + grace
     while processes(tmpdir) and time.monotonic() < deadline:
         time.sleep(0.1)
-    left = []
-    for pid, command in processes(tmpdir):
+    left, strays = [], processes(tmpdir)
+    for pid, command in strays:
         left.append(f"process {pid}: {command}")
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+    session = {os.getpid(), *(pid for pid, _ in strays)}
     for path in segments(since):
+        if held_elsewhere(path, session):
+            continue
         left.append(f"shared-memory segment {path}")
         if os.path.isdir(path):  # a launch's in-memory snapshots
             shutil.rmtree(path, ignore_errors=True)

@@ -103,7 +103,8 @@ def train_with_backup(backup_dir, epochs=3, save_freq=10, kill_at=None, kill_wor
             "replicas": strategy.num_replicas_in_sync,
             "iterations": int(model.optimizer.iterations.numpy()),
             "loss": history.history["loss"], "restored_step": backup.restored_step,
-            "worker_state": sorted(td.cross_device.gradients.of_strategy(strategy).worker_state())
+            "worker_state": sorted(td.cross_device.gradients.of_strategy(strategy).worker_state(
+                model.optimizer))
             if compression else None}
 
 

@@ -38,3 +38,22 @@ def test_a_segment_older_than_the_session_is_not_its_own(tmp_path):
         assert segment in _leftovers.segments(since=time.time() - 60)
     finally:
         os.unlink(segment)
+
+
+def test_a_segment_that_another_program_holds_is_not_the_sessions(tmp_path):
+    session = tmp_path / "session"
+    session.mkdir()
+    segment = f"/dev/shm/{SEGMENT_PREFIX}leftovers-test-held-{os.getpid()}"
+    open(segment, "w").close()
+    with open(segment) as held:  # another test session's worker, as far as this one sees
+        holder = subprocess.Popen(["sleep", "60"], stdin=held)
+    try:
+        assert _leftovers.collect(str(session), since=time.time() - 60, grace=1) == []
+        assert os.path.exists(segment)
+        holder.kill()
+        holder.wait(10)
+        assert not _leftovers.held_elsewhere(segment, {os.getpid()})  # now a leftover
+    finally:
+        holder.kill()
+        holder.wait(10)
+        os.unlink(segment)

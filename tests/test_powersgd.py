@@ -99,10 +99,9 @@ SGD_SETTINGS = {"plain": {}, "momentum": {"momentum": 0.9},
 def fit_powersgd_with_sgd(keras_step):
     """Trains a model under PowerSGD for each of `SGD_SETTINGS` in turn, with Keras' SGD
     (its step fused into the native ops that rebuild the sums) or, with `keras_step`, an
-    SGD whose `update_step` is overridden (Keras' own step on the sums). The models share
-    the strategy's PowerSGD state, so a run compares only with a run of the same
-    settings in the same order. Returns each model's weights' digest and how many fused
-    steps each traced."""
+    SGD whose `update_step` is overridden (Keras' own step on the sums); then the first
+    settings again, under the same strategy. Returns each model's weights' digest and how
+    many fused steps each traced."""
     import hashlib
 
     import keras
@@ -125,7 +124,7 @@ def fit_powersgd_with_sgd(keras_step):
     data = td.data.distribute_dataset(strategy, tf.data.Dataset.from_tensor_slices((x, y)),
                                       64)
     report = {"native": strategy.transport.op_library is not None}
-    for label, kwargs in SGD_SETTINGS.items():
+    for label, kwargs in [*SGD_SETTINGS.items(), ("plain, again", SGD_SETTINGS["plain"])]:
         keras.utils.set_random_seed(0)
         with strategy.scope():
             model = keras.Sequential([keras.Input((20,)),
@@ -152,6 +151,10 @@ def test_keras_sgd_fused_into_powersgds_native_ops_steps_bitwise_as_keras():
     for label in SGD_SETTINGS:
         assert fused[0][f"digest {label}"] == keras_step[0][f"digest {label}"], label
         assert fused[0][f"traced {label}"] >= 1 and keras_step[0][f"traced {label}"] == 0
+    # Each model has a PowerSGD state of its own: the same model trained again under the
+    # same strategy starts from no residual and the warm-up's first step, as the first did.
+    for report in fused[0], keras_step[0]:
+        assert report["digest plain, again"] == report["digest plain"]
 
 
 @pytest.mark.multiprocess

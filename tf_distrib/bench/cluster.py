@@ -201,13 +201,9 @@ def calibrate(rows: list[dict], cores: int) -> dict:
     measured = np.array([r["seconds"] for r in rows])
     best = None
     for e in np.linspace(0.70, 1.15, 46):  # this VM's slow phases leave links 71% busy
-        constants = _least_squares(rows, float(e), cores, measured)
-        if constants is None:
-            continue
-        model = {"a": ROUND_SECONDS, "e": float(e), **constants}
-        worst = max(abs(predict(model, r, cores) / r["seconds"] - 1) for r in rows)
-        if best is None or worst < best[0]:
-            best = (worst, model)
+        fit = _least_squares(rows, float(e), cores, measured)
+        if fit is not None and (best is None or fit[0] < best[0]):
+            best = fit
     if best is None:
         raise ValueError(
             f"The cost model has no fit with non-negative constants to these {len(rows)} "
@@ -222,12 +218,14 @@ LAWSON_ITERATIONS = 50
 LINK_BOUND = 1.1
 
 
-def _least_squares(rows: list[dict], e: float, cores: int, measured) -> dict | None:
-    """(c, d, w, s) for link share `e` that make the worst relative error least, none
-    negative; None where every one would be. `calibrate`'s model is linear in them once
-    each row's sides of its two max() are known: start with the rows that took about
-    their link's time on the link's side and the rest on the CPU's, refit until no row
-    changes side, and keep the fit of least worst error. Each fit is Lawson's: least
+def _least_squares(rows: list[dict], e: float, cores: int, measured
+                   ) -> tuple[float, dict] | None:
+    """(worst relative error, model) of the (c, d, w, s) for link share `e` that make the
+    worst relative error least, none negative; None where every one would be.
+    `calibrate`'s model is linear in them once each row's sides of its two max() are
+    known: start with the rows that took about their link's time on the link's side and
+    the rest on the CPU's, refit until no row changes side, and keep the fit of least
+    worst error. Each fit is Lawson's: least
     squares reweighted by each row's error, which tends to the least worst error."""
     import numpy as np
 
@@ -263,7 +261,7 @@ def _least_squares(rows: list[dict], e: float, cores: int, measured) -> dict | N
         worst = max(abs(predict(model, row, cores) / seconds - 1)
                     for row, seconds in zip(rows, measured, strict=True))
         if best is None or worst < best[0]:
-            best = (worst, constants)
+            best = (worst, model)
         now = []
         for row in rows:
             cpu, link, _, over = _terms(row, e, cores)
@@ -272,7 +270,7 @@ def _least_squares(rows: list[dict], e: float, cores: int, measured) -> dict | N
         if now == sides:
             break
         sides = now
-    return None if best is None else best[1]
+    return best
 
 
 def _non_negative(a, b):

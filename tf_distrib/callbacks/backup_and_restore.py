@@ -252,7 +252,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         # fit() reads this right after on_train_begin to choose its first epoch.
         _compat.set_initial_epoch(self.model, epoch)
         self._global_step = self.restored_step = manifest["step"]
-        worker_state.restore(self.model.distribute_strategy, arrays)
+        worker_state.restore(self.model.distribute_strategy, self.model.optimizer, arrays)
         # A snapshot holds no metrics (reading them is a collective): they restart at 0.
         deferred = ["metrics"] if step and not from_memory else []
         if self.model.built:
@@ -417,7 +417,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         # and workers: every worker takes part), which keras.ops.convert_to_numpy cannot.
         # Those are collectives: the watchdog keeps watching them (a stuck peer).
         values = [(name, tf.convert_to_tensor(v.value)) for name, v in self._named_variables()]
-        per_worker = worker_state.gather(self.model.distribute_strategy)
+        per_worker = worker_state.gather(self.model.distribute_strategy, self.model.optimizer)
         if not self._is_chief:
             return
         with watchdog.paused("saving a backup"):

@@ -24,11 +24,12 @@ def kept(strategy) -> bool:
     return reduce is not None and reduce.powersgd is not None
 
 
-def gather(strategy) -> list[tuple[str, np.ndarray]]:
-    """Every worker's state, stacked by worker: (name, rows) pairs; a collective."""
+def gather(strategy, optimizer) -> list[tuple[str, np.ndarray]]:
+    """Every worker's state of `optimizer`'s model, stacked by worker: (name, rows) pairs;
+    a collective."""
     if not kept(strategy):
         return []
-    state = gradients.of_strategy(strategy).worker_state()
+    state = gradients.of_strategy(strategy).worker_state(gradients.state_owner(optimizer))
     spec = cluster.spec_of(strategy)
     workers, row = len(spec.training_tasks), spec.training_index
     sizes = [-(-value.nbytes // 4) * 4 for value in state.values()]
@@ -47,10 +48,11 @@ def gather(strategy) -> list[tuple[str, np.ndarray]]:
     return rows
 
 
-def restore(strategy, arrays: dict) -> None:
-    """Gives each worker its row of the state in a backup's `arrays` (if both have some)."""
+def restore(strategy, optimizer, arrays: dict) -> None:
+    """Gives each worker its row of `optimizer`'s model's state in a backup's `arrays` (if
+    both have some)."""
     rows = {name[len(PREFIX):]: value for name, value in arrays.items()
             if name.startswith(PREFIX)}
     if rows and kept(strategy):
         gradients.of_strategy(strategy).load_worker_state(
-            rows, cluster.spec_of(strategy).training_index)
+            rows, cluster.spec_of(strategy).training_index, gradients.state_owner(optimizer))

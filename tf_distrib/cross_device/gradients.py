@@ -41,6 +41,14 @@ def of_strategy(strategy: tf.distribute.Strategy):
     return getattr(strategy, ATTRIBUTE, None)
 
 
+def state_owner(optimizer):
+    """The optimizer whose gradients a model's all-reduce sums: a wrapper's (Keras'
+    `LossScaleOptimizer`) inner one, which Keras' apply step runs."""
+    while getattr(optimizer, "inner_optimizer", None) is not None:
+        optimizer = optimizer.inner_optimizer
+    return optimizer
+
+
 class GradientAllReduce:
     """Sums gradients across all replicas: in buckets, compressed, by one collective each.
 
@@ -77,16 +85,17 @@ class GradientAllReduce:
         self.bucket_bytes = check_int("bucket_bytes", bucket_bytes)
         self.transport = transport
 
-    def worker_state(self) -> dict:
-        """What `BackupAndRestore` saves of each worker besides the model: PowerSGD's."""
-        return {} if self.powersgd is None else self.powersgd.worker_state()
+    def worker_state(self, owner=None) -> dict:
+        """What `BackupAndRestore` saves of each worker besides the model: PowerSGD's,
+        of `owner` (the model's optimizer: see `__call__`)."""
+        return {} if self.powersgd is None else self.powersgd.worker_state(owner)
 
-    def load_worker_state(self, rows: dict, row: int) -> None:
+    def load_worker_state(self, rows: dict, row: int, owner=None) -> None:
         """Restores `worker_state` from every worker's saved rows (see PowerSGD's)."""
         if self.powersgd is not None:
-            self.powersgd.load_worker_state(rows, row)
+            self.powersgd.load_worker_state(rows, row, owner)
 
-    def sgd(self, step: SgdStep, grads: list) -> bool:
+    def sgd(self, step: SgdStep, grads: list, owner=None) -> bool:
         """Keras' SGD step fused into the all-reduce, where it can be: the transport's
         native op sums the gradients, each worker updates only its part of the weights
         (and velocities), and the op assigns the variables bitwise what `__call__` and
@@ -98,6 +107,7 @@ class GradientAllReduce:
             step: Keras' step: its learning rate, variables (one per gradient) and
                 momentum.
             grads: The replica's gradients.
+            owner: As `__call__`'s.
 
         Returns:
             Whether the step ran (assigning the variables); False where this all-reduce
@@ -110,17 +120,22 @@ class GradientAllReduce:
         if self.powersgd is not None:
             if self.transport.op_library is None:
                 return False
-            self.powersgd.sgd(step, list(grads))
+            self.powersgd.sgd(step, list(grads), owner)
             return True
         if self.transport.native is None or not isinstance(self.compressor, NoCompression):
             return False
         graph_op.sgd(self.transport, step, grads)
         return True
 
-    def __call__(self, grads: list) -> list:
+    def __call__(self, grads: list, owner=None) -> list:
         """All-reduces `grads` (SUM) in replica context; same structure out.
 
         `IndexedSlices` (embedding gradients) go through TensorFlow's collective.
+
+        Args:
+            grads: The replica's gradients.
+            owner: Whose PowerSGD state they use: the optimizer (`state_owner`), so that
+                each model has its own. Defaults to None: this all-reduce's own.
         """
         context = tf.distribute.get_replica_context()
         n = context.num_replicas_in_sync
@@ -135,7 +150,7 @@ class GradientAllReduce:
             float32 = [i for i in dense if grads[i].dtype == tf.float32]
             dense = [i for i in dense if grads[i].dtype != tf.float32]
             if float32:
-                for i, g in zip(float32, self.powersgd([grads[i] for i in float32]),
+                for i, g in zip(float32, self.powersgd([grads[i] for i in float32], owner),
                                 strict=True):
                     results[i] = g
         values = [grads[i] for i in dense]

@@ -10,12 +10,14 @@ added (two passes fewer). Vectors and matrices that rank r would not shrink twof
 travel whole in the first all-reduce; the first `start_step` all-reduces send all whole
 (as DDP's `powerSGD_hook`). Under Keras' `SGD`, the native ops take its step as they
 rebuild the sums (`sgd`). The state (M, P̂, Q', the step count) is in variables of the
-worker's own (as a metric's); `BackupAndRestore` saves every worker's (`worker_state`).
+worker's own (as a metric's), one state per model's optimizer; `BackupAndRestore` saves
+every worker's (`worker_state`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -23,7 +25,7 @@ import tensorflow as tf
 from tf_distrib import _compat
 from tf_distrib._checks import check_int
 from tf_distrib.transport import graph_op
-from tf_distrib.transport.sgd_step import SgdStep
+from tf_distrib.transport.sgd_step import SgdStep, read_float32
 
 __all__ = ["PowerSGD", "PowerSGDAllReduce"]
 
@@ -69,6 +71,9 @@ class PowerSGD:
 class PowerSGDAllReduce:
     """Sums float32 gradients across the workers of a transport, PowerSGD-compressed.
 
+    Each owner (a model's optimizer) has a state of its own: models trained one after
+    another under one strategy do not inherit each other's residuals or step count.
+
     Args:
         config: The `PowerSGD` settings.
         transport: The `tf_distrib.transport.Transport` that carries the factors.
@@ -77,36 +82,45 @@ class PowerSGDAllReduce:
     def __init__(self, config: PowerSGD, transport):
         self.config = config
         self.transport = transport
-        self._steps = None  # all-reduces run, warm-up included
-        # Per compressed gradient: Q' (the next Q, transposed), P̂ and M of the last step.
-        self._qs: dict[int, tf.Variable] = {}
-        self._p_hats: dict[int, tf.Variable] = {}
-        self._matrices: dict[int, tf.Variable] = {}
-        self._loaded: dict[str, np.ndarray] = {}  # restored before the state exists
+        # Owner -> its _State; the state goes with its owner (a model's M is its size).
+        self._states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def __call__(self, grads: list[tf.Tensor]) -> list[tf.Tensor]:
-        """The sums of `grads` (dense float32), in replica context."""
+    def __call__(self, grads: list[tf.Tensor], owner=None) -> list[tf.Tensor]:
+        """The sums of `grads` (dense float32), in replica context.
+
+        Args:
+            grads: This replica's gradients.
+            owner: Whose state the gradients use (the optimizer). Defaults to None: this
+                all-reduce's own.
+        """
+        state = self._state(owner)
         compressed = [i for i, g in enumerate(grads) if self.config.compresses(g.shape)]
-        self._build(grads, compressed)
-        step = self._steps.assign_add(1)
+        state.build(grads, compressed, self.config.rank)
+        step = state.steps.assign_add(1)
         if not compressed:
             return graph_op.all_reduce(self.transport, grads)
         return tf.cond(step > self.config.start_step,
-                       lambda: self._compressed(grads, compressed),
+                       lambda: self._compressed(state, grads, compressed),
                        lambda: graph_op.all_reduce(self.transport, grads))
 
-    def sgd(self, step: SgdStep, grads: list[tf.Tensor]):
+    def sgd(self, step: SgdStep, grads: list[tf.Tensor], owner=None):
         """Keras' `step` on the sums of `grads` (dense float32), in replica context: fused
         into rebuilding the compressed sums (the transport's `op_library` must be set),
         Keras' own ops on the sums that travel whole. The variables end bitwise as Keras'
         update on `__call__`'s sums leaves them.
 
+        Args:
+            step: Keras' step.
+            grads: This replica's gradients.
+            owner: As `__call__`'s.
+
         Returns:
             The step's op.
         """
+        state = self._state(owner)
         compressed = [i for i, g in enumerate(grads) if self.config.compresses(g.shape)]
-        self._build(grads, compressed)
-        count = self._steps.assign_add(1)
+        state.build(grads, compressed, self.config.rank)
+        count = state.steps.assign_add(1)
 
         def whole():
             return step.apply(graph_op.all_reduce(self.transport, grads), range(len(grads)))
@@ -114,26 +128,32 @@ class PowerSGDAllReduce:
         if not compressed:
             return whole()
         return tf.cond(count > self.config.start_step,
-                       lambda: self._compressed(grads, compressed, step), whole)
+                       lambda: self._compressed(state, grads, compressed, step), whole)
 
-    def _compressed(self, grads: list[tf.Tensor], compressed: list[int],
+    def _state(self, owner) -> _State:
+        key = self if owner is None else owner
+        if key not in self._states:
+            self._states[key] = _State()
+        return self._states[key]
+
+    def _compressed(self, state: _State, grads: list[tf.Tensor], compressed: list[int],
                     step: SgdStep | None = None):
         """The sums, or with `step` the op that takes it on them (see `sgd`)."""
         whole = [i for i in range(len(grads)) if i not in compressed]
         kernels = _Kernels(self.transport.op_library)
         scale = tf.constant(1.0 / self.transport.world, tf.float32)
         ps = kernels.project(
-            [tf.reshape(grads[i], self._matrices[i].shape) for i in compressed],
-            [self._matrices[i] for i in compressed],
-            [_read(self._p_hats[i].handle) for i in compressed],
-            [_read(self._qs[i].handle) for i in compressed], scale)
+            [tf.reshape(grads[i], state.matrices[i].shape) for i in compressed],
+            [state.matrices[i] for i in compressed],
+            [read_float32(state.p_hats[i].handle) for i in compressed],
+            [read_float32(state.qs[i].handle) for i in compressed], scale)
         # Round 1: the Ps, and the gradients that travel whole, in one all-reduce.
         sums = graph_op.all_reduce(self.transport, list(ps) + [grads[i] for i in whole])
         p_hats = kernels.orthonormalize(sums[:len(compressed)])
         results = dict(zip(whole, sums[len(compressed):], strict=True))
         # Round 2: the Qs.
         qts = graph_op.all_reduce(self.transport, kernels.back(
-            [_read(self._matrices[i].handle) for i in compressed], p_hats))
+            [read_float32(state.matrices[i].handle) for i in compressed], p_hats))
         if step is not None:
             updates = [kernels.rebuild_sgd(p_hats, qts, step, compressed),
                        step.apply([results[i] for i in whole], whole)]
@@ -142,55 +162,37 @@ class PowerSGDAllReduce:
             for i, approximation in zip(compressed, kernels.rebuild(p_hats, qts), strict=True):
                 results[i] = tf.reshape(approximation, grads[i].shape)
         for i, p_hat, q in zip(compressed, p_hats, qts, strict=True):
-            updates += [self._p_hats[i].assign(p_hat), self._qs[i].assign(q)]
+            updates += [state.p_hats[i].assign(p_hat), state.qs[i].assign(q)]
         with tf.control_dependencies(updates):
             if step is not None:
                 return tf.constant(True)  # the branches of `sgd`'s cond return a tensor
             return [tf.identity(results[i]) for i in range(len(grads))]
 
-    def _build(self, grads: list[tf.Tensor], compressed: list[int]) -> None:
-        """Creates the state once: per-worker variables (SyncOnRead under a strategy)."""
-        if self._steps is not None:
-            return
-        with tf.init_scope():
-            self._steps = _local_variable(np.int64(0), "powersgd_steps")
-            for i in compressed:
-                n, m = int(np.prod(grads[i].shape[:-1])), int(grads[i].shape[-1])
-                # The same random start on every worker.
-                start = np.random.default_rng(i).standard_normal(
-                    (min(self.config.rank, n, m), m)).astype(np.float32)
-                self._qs[i] = _local_variable(start, f"powersgd_q_{i}")
-                self._p_hats[i] = _local_variable(np.zeros((n, len(start)), np.float32),
-                                                  f"powersgd_p_hat_{i}")
-                self._matrices[i] = _local_variable(np.zeros((n, m), np.float32),
-                                                    f"powersgd_matrix_{i}")
-            # Not as initial values: MWMS gives every worker worker 0's initial values.
-            for name, value in self._loaded.items():
-                _compat.assign_local(self._variables()[name], value)
-            self._loaded = {}
-
     # State, for BackupAndRestore -------------------------------------------------
 
-    def worker_state(self) -> dict[str, np.ndarray]:
-        """This worker's state: the step count, and each compressed gradient's last M, P̂
-        and Q' (its residual, see the module's docstring)."""
-        if self._steps is None:
+    def worker_state(self, owner=None) -> dict[str, np.ndarray]:
+        """This worker's state of `owner` (as `__call__`'s): the step count, and each
+        compressed gradient's last M, P̂ and Q' (its residual, see the module's
+        docstring); empty before its first step."""
+        state = self._states.get(self if owner is None else owner)
+        if state is None or state.steps is None:
             return {}
-        state = {name: _compat.local_value(v) for name, v in self._variables().items()}
-        state["steps"] = state["steps"].reshape(1)
-        return state
+        values = {name: _compat.local_value(v) for name, v in state.variables().items()}
+        values["steps"] = values["steps"].reshape(1)
+        return values
 
-    def load_worker_state(self, rows: dict[str, np.ndarray], row: int) -> None:
+    def load_worker_state(self, rows: dict[str, np.ndarray], row: int, owner=None) -> None:
         """Takes `worker_state` back from saved rows, one per worker that saved them.
 
-        Called before the first step (the state exists once a step was traced), it
-        takes effect when the state is built.
+        Called before `owner`'s first step (the state exists once a step was traced),
+        it takes effect when the state is built.
 
         Args:
             rows: Each name's values, stacked over the workers that saved them.
             row: This worker's row. When the number of workers changed, every worker
                 takes the first row's Qs (equal in every row) and an equal share of
                 the residuals' sum, which is what the next sums add back.
+            owner: As `__call__`'s.
         """
         world = self.transport.world
         resized = len(rows["steps"]) != world
@@ -207,18 +209,56 @@ class PowerSGDAllReduce:
                 values[name] = ((v.sum(axis=0, dtype=np.float64) - applied) / world).astype(
                     np.float32)
                 values[f"p_hat/{i}"] = np.zeros_like(rows[f"p_hat/{i}"][0])
-        if self._steps is None:
+        self._state(owner).load(values)
+
+
+class _State:
+    """One owner's state: per-worker variables (SyncOnRead under a strategy), made at its
+    first step. Per compressed gradient: Q' (the next Q, transposed), P̂ and M of the
+    last step."""
+
+    def __init__(self):
+        self.steps: tf.Variable | None = None  # all-reduces run, warm-up included
+        self.qs: dict[int, tf.Variable] = {}
+        self.p_hats: dict[int, tf.Variable] = {}
+        self.matrices: dict[int, tf.Variable] = {}
+        self._loaded: dict[str, np.ndarray] = {}  # restored before the state exists
+
+    def build(self, grads: list[tf.Tensor], compressed: list[int], rank: int) -> None:
+        """Makes the variables once, for `grads` (the same shapes at every step)."""
+        if self.steps is not None:
+            return
+        with tf.init_scope():
+            self.steps = _local_variable(np.int64(0), "powersgd_steps")
+            for i in compressed:
+                n, m = int(np.prod(grads[i].shape[:-1])), int(grads[i].shape[-1])
+                # The same random start on every worker.
+                start = np.random.default_rng(i).standard_normal(
+                    (min(rank, n, m), m)).astype(np.float32)
+                self.qs[i] = _local_variable(start, f"powersgd_q_{i}")
+                self.p_hats[i] = _local_variable(np.zeros((n, len(start)), np.float32),
+                                                 f"powersgd_p_hat_{i}")
+                self.matrices[i] = _local_variable(np.zeros((n, m), np.float32),
+                                                   f"powersgd_matrix_{i}")
+            # Not as initial values: MWMS gives every worker worker 0's initial values.
+            self.load(self._loaded)
+            self._loaded = {}
+
+    def load(self, values: dict[str, np.ndarray]) -> None:
+        """Assigns `values` (by `variables`' names), or keeps them for `build`."""
+        if self.steps is None:
             self._loaded = values
             return
-        for name, variable in self._variables().items():
-            _compat.assign_local(variable, values[name])
+        variables = self.variables()
+        for name, value in values.items():
+            _compat.assign_local(variables[name], value)
 
-    def _variables(self) -> dict[str, tf.Variable]:
-        """The state's variables by their names in `worker_state`."""
-        variables = {"steps": self._steps}
-        for i in self._qs:
-            variables.update({f"q/{i}": self._qs[i], f"p_hat/{i}": self._p_hats[i],
-                              f"matrix/{i}": self._matrices[i]})
+    def variables(self) -> dict[str, tf.Variable]:
+        """The variables by their names in `worker_state`."""
+        variables = {"steps": self.steps}
+        for i in self.qs:
+            variables.update({f"q/{i}": self.qs[i], f"p_hat/{i}": self.p_hats[i],
+                              f"matrix/{i}": self.matrices[i]})
         return variables
 
 
@@ -238,7 +278,7 @@ class _Kernels:
                 grads, [v.handle for v in matrices], p_hats, qts, scale)
         ps = []
         for g, variable, p_hat, q in zip(grads, matrices, p_hats, qts, strict=True):
-            m = g + (_read(variable.handle) - tf.matmul(p_hat, q) * scale)
+            m = g + (read_float32(variable.handle) - tf.matmul(p_hat, q) * scale)
             with tf.control_dependencies([variable.assign(m)]):
                 ps.append(tf.matmul(m, q, transpose_b=True))
         return ps
@@ -274,10 +314,6 @@ class _Kernels:
             p_hats, qts, step.learning_rate,
             tf.constant(0.0) if step.momentum is None else step.momentum,
             [step.variables[i].handle for i in indices], velocities, nesterov=step.nesterov)
-
-
-def _read(handle) -> tf.Tensor:
-    return tf.raw_ops.ReadVariableOp(resource=handle, dtype=tf.float32)
 
 
 def _local_variable(initial_value, name: str) -> tf.Variable:

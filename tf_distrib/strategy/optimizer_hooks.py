@@ -53,7 +53,8 @@ def _route_all_reduce(original):
             return original(self, grads_and_vars)
         grads_and_vars = list(grads_and_vars)
         present = [i for i, (g, _) in enumerate(grads_and_vars) if g is not None]
-        reduced = reduce([grads_and_vars[i][0] for i in present]) if present else []
+        reduced = (reduce([grads_and_vars[i][0] for i in present], gradients.state_owner(self))
+                   if present else [])
         result = list(grads_and_vars)
         for i, g in zip(present, reduced, strict=True):
             result[i] = (g, grads_and_vars[i][1])
@@ -87,7 +88,8 @@ def _fused_sgd(optimizer, grads, variables, learning_rate) -> bool:
         momentum = keras.ops.cast(optimizer.momentum, "float32")
     variables = [v.value if isinstance(v, keras.Variable) else v for v in variables]
     return reduce.sgd(SgdStep(keras.ops.cast(learning_rate, "float32"), variables, momentum,
-                              velocities, optimizer.nesterov), list(grads))
+                              velocities, optimizer.nesterov), list(grads),
+                      gradients.state_owner(optimizer))
 
 
 def _route_apply(original):

@@ -45,15 +45,17 @@ class SgdStep:
                 ops.append(tf.raw_ops.AssignSubVariableOp(resource=weights, value=descent))
                 continue
             velocity = self.velocities[i].handle
-            new = _read(velocity) * self.momentum - descent
+            new = read_float32(velocity) * self.momentum - descent
             with tf.control_dependencies([tf.raw_ops.AssignVariableOp(resource=velocity,
                                                                       value=new)]):
-                new = _read(velocity)
+                new = read_float32(velocity)
                 value = new * self.momentum - descent if self.nesterov else new
                 ops.append(tf.raw_ops.AssignAddVariableOp(resource=weights, value=value))
         with tf.control_dependencies(ops):
             return tf.constant(True)
 
 
-def _read(handle) -> tf.Tensor:
+def read_float32(handle) -> tf.Tensor:
+    """A float32 resource variable's value, read through its handle (the native ops take
+    handles, not Keras' variables)."""
     return tf.raw_ops.ReadVariableOp(resource=handle, dtype=tf.float32)

@@ -225,8 +225,8 @@ def _least_squares(rows: list[dict], e: float, cores: int, measured
     `calibrate`'s model is linear in them once each row's sides of its two max() are
     known: start with the rows that took about their link's time on the link's side and
     the rest on the CPU's, refit until no row changes side, and keep the fit of least
-    worst error. Each fit is Lawson's: least
-    squares reweighted by each row's error, which tends to the least worst error."""
+    worst error. Each fit is Lawson's: least squares reweighted by each row's error, which
+    tends to the least worst error."""
     import numpy as np
 
     sides = []

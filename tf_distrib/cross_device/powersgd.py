@@ -93,10 +93,7 @@ class PowerSGDAllReduce:
             owner: Whose state the gradients use (the optimizer). Defaults to None: this
                 all-reduce's own.
         """
-        state = self._state(owner)
-        compressed = [i for i, g in enumerate(grads) if self.config.compresses(g.shape)]
-        state.build(grads, compressed, self.config.rank)
-        step = state.steps.assign_add(1)
+        state, compressed, step = self._begin(grads, owner)
         if not compressed:
             return graph_op.all_reduce(self.transport, grads)
         return tf.cond(step > self.config.start_step,
@@ -117,10 +114,7 @@ class PowerSGDAllReduce:
         Returns:
             The step's op.
         """
-        state = self._state(owner)
-        compressed = [i for i, g in enumerate(grads) if self.config.compresses(g.shape)]
-        state.build(grads, compressed, self.config.rank)
-        count = state.steps.assign_add(1)
+        state, compressed, count = self._begin(grads, owner)
 
         def whole():
             return step.apply(graph_op.all_reduce(self.transport, grads), range(len(grads)))
@@ -130,11 +124,16 @@ class PowerSGDAllReduce:
         return tf.cond(count > self.config.start_step,
                        lambda: self._compressed(state, grads, compressed, step), whole)
 
+    def _begin(self, grads: list[tf.Tensor], owner) -> tuple[_State, list[int], tf.Tensor]:
+        """`owner`'s state (built for `grads`), the gradients it compresses, and its step
+        count after this all-reduce."""
+        state = self._state(owner)
+        compressed = [i for i, g in enumerate(grads) if self.config.compresses(g.shape)]
+        state.build(grads, compressed, self.config.rank)
+        return state, compressed, state.steps.assign_add(1)
+
     def _state(self, owner) -> _State:
-        key = self if owner is None else owner
-        if key not in self._states:
-            self._states[key] = _State()
-        return self._states[key]
+        return self._states.setdefault(self if owner is None else owner, _State())
 
     def _compressed(self, state: _State, grads: list[tf.Tensor], compressed: list[int],
                     step: SgdStep | None = None):
@@ -174,8 +173,8 @@ class PowerSGDAllReduce:
         """This worker's state of `owner` (as `__call__`'s): the step count, and each
         compressed gradient's last M, P̂ and Q' (its residual, see the module's
         docstring); empty before its first step."""
-        state = self._states.get(self if owner is None else owner)
-        if state is None or state.steps is None:
+        state = self._state(owner)
+        if state.steps is None:
             return {}
         values = {name: _compat.local_value(v) for name, v in state.variables().items()}
         values["steps"] = values["steps"].reshape(1)

@@ -1,4 +1,6 @@
-"""The native all-reduce op (tf_distrib/transport/native_sum.cc) in real worker processes."""
+"""The native all-reduce ops in real worker processes: over shared memory
+(tf_distrib/transport/native_sum.cc) and, for small all-reduces, over TCP
+(native_exchange.cc)."""
 
 import hashlib
 import os
@@ -84,6 +86,52 @@ def sum_both_ways(directory):
     except tf.errors.UnknownError as e:
         report["after_close"] = e.message
     return report
+
+
+def exchange_both_ways(directory):
+    """Over TCP, each layout summed by the exchange op (in a traced function, and eagerly)
+    and by the Python path; one too large for the op."""
+    import tensorflow as tf
+
+    from tf_distrib.transport import graph_op
+
+    t = _connect(directory, mode="tcp")
+    rank, world = t.rank, t.world
+    # One element; sizes no worker count divides; int64; one past the exchange's bytes.
+    layouts = [([1], np.float32), ([7, 1000], np.float32), ([1, 9, 1000], np.int64),
+               ([40_000], np.float32)]
+    report = {"exchange": t.exchange is not None, "digests": [], "equal": [], "exact": []}
+    for sizes, dtype in layouts:
+        mine = _addends(rank, sizes, dtype)
+        traced = [np.asarray(s) for s in tf.function(
+            lambda *arrays: graph_op.all_reduce(t, list(arrays)))(*mine)]
+        python = [np.array(s) for s in t.all_reduce(mine)]
+        eager = [np.asarray(s) for s in graph_op.all_reduce(t, mine)]
+        report["equal"].append(all(np.array_equal(a, b) and np.array_equal(a, c)
+                                   for a, b, c in zip(traced, python, eager, strict=True)))
+        reference = [sum(_addends(r, sizes, dtype)[k].astype(np.float64) for r in range(world))
+                     for k in range(len(sizes))]
+        report["exact"].append(all(s.dtype == dtype and np.allclose(s, r, rtol=1e-5, atol=1e-4)
+                                   for s, r in zip(traced, reference, strict=True)))
+        report["digests"].append(hashlib.sha256(b"".join(s.tobytes() for s in traced))
+                                 .hexdigest())
+    report["collectives"] = t.stats.collectives
+    report["by_the_op"] = [r["bytes"] for r in t.exchange.recent()]
+    t.close()
+    return report
+
+
+def test_the_exchange_op_sums_small_layouts_bitwise_as_the_python_path(tmp_path):
+    workers = run_workers(exchange_both_ways, 3, args=(str(tmp_path),), startup_timeout=None,
+                          quiet=True, timeout=180)
+    for w in workers:
+        assert w.value["exchange"]
+        assert w.value["equal"] == [True] * 4
+        assert w.value["exact"] == [True] * 4
+        assert w.value["collectives"] == 3 * 4
+        # The op ran the small layouts (traced and eager), not the large one.
+        assert w.value["by_the_op"] == [4, 4, 4 * 1007, 4 * 1007, 8 * 1010, 8 * 1010]
+    assert len({tuple(w.value["digests"]) for w in workers}) == 1
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -263,7 +311,11 @@ def test_the_first_collective_reports_training_at_once(tmp_path):
     assert all(w.value < 1.0 for w in workers), [w.value for w in workers]
 
 
-def lose_a_peer_in_the_op(directory, how):
+# Elements each op sums in `lose_a_peer_in_the_op`: over TCP, few enough for the exchange.
+LOST_PEER_ELEMENTS = {"shm": 100_000, "tcp": 1000}
+
+
+def lose_a_peer_in_the_op(directory, how, mode):
     """Worker 1 dies (SIGKILL) or freezes (SIGSTOP) while the others wait in the op."""
     import contextlib
     import signal
@@ -274,8 +326,9 @@ def lose_a_peer_in_the_op(directory, how):
     from tf_distrib.transport import graph_op
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # let the survivors report
-    t = _connect(directory, peer_timeout=3.0)
-    data = [np.ones(100_000, np.float32)]
+    t = _connect(directory, peer_timeout=3.0, mode=mode)
+    assert (t.native if mode == "shm" else t.exchange) is not None
+    data = [np.ones(LOST_PEER_ELEMENTS[mode], np.float32)]
     graph_op.all_reduce(t, data)
     if t.rank == 1:
         with open(os.path.join(directory, "pid"), "w") as f:
@@ -294,9 +347,10 @@ def lose_a_peer_in_the_op(directory, how):
     return lost
 
 
+@pytest.mark.parametrize("mode", ["shm", "tcp"])
 @pytest.mark.parametrize("how, limit", [("SIGKILL", 2.0), ("SIGSTOP", 3.0 + 2.5)])
-def test_a_lost_peer_fails_the_op_in_bounded_time_naming_it(tmp_path, how, limit):
-    result = launch(lose_a_peer_in_the_op, 3, args=(str(tmp_path), how),
+def test_a_lost_peer_fails_the_op_in_bounded_time_naming_it(tmp_path, how, limit, mode):
+    result = launch(lose_a_peer_in_the_op, 3, args=(str(tmp_path), how, mode),
                     startup_timeout=None, quiet=True, timeout=90, grace_period=30)
     assert result.exit_codes == [[0, -9, 0]]
     for survivor in (result.workers[0], result.workers[2]):
@@ -309,16 +363,17 @@ def test_a_lost_peer_fails_the_op_in_bounded_time_naming_it(tmp_path, how, limit
             assert "sent nothing for" in lost["error"]
         # The flight recorder lists the op's collectives: the first ended, the lost one not.
         done, stuck = lost["recent"][-2:]
-        assert (done["bytes"], stuck["bytes"], stuck["seq"]) == (400_000, 400_000,
+        nbytes = 4 * LOST_PEER_ELEMENTS[mode]
+        assert (done["bytes"], stuck["bytes"], stuck["seq"]) == (nbytes, nbytes,
                                                                  done["seq"] + 1), lost
         assert done["started"] <= done["ended"] <= stuck["started"], lost
         assert stuck["ended"] is None, lost
 
 
-def sum_different_sizes(directory):
+def sum_different_sizes(directory, mode="auto"):
     from tf_distrib.transport import graph_op
 
-    t = _connect(directory)
+    t = _connect(directory, mode=mode)
     graph_op.all_reduce(t, [np.ones(3, np.float32)])
     try:
         graph_op.all_reduce(t, [np.ones(40 if t.rank else 4, np.float32)])
@@ -328,14 +383,14 @@ def sum_different_sizes(directory):
         t.close()
 
 
-def sum_against_an_sgd_step(directory):
+def sum_against_an_sgd_step(directory, mode):
     """Worker 0 takes a fused SGD step where worker 1 sums as many bytes."""
     import tensorflow as tf
 
     from tf_distrib.transport import graph_op
     from tf_distrib.transport.sgd_step import SgdStep
 
-    t = _connect(directory)
+    t = _connect(directory, mode=mode)
     ones = [np.ones(3, np.float32)]
     try:
         if t.rank == 0:
@@ -348,12 +403,14 @@ def sum_against_an_sgd_step(directory):
         t.close()
 
 
-@pytest.mark.parametrize("job, names", [(sum_different_sizes, ("float32", "float32")),
-                                        (sum_against_an_sgd_step, ("f32 sgd", "float32"))])
-def test_workers_that_sum_different_layouts_fail_instead_of_summing(tmp_path, job, names):
-    messages = [w.value for w in run_workers(job, 2, args=(str(tmp_path),),
+@pytest.mark.parametrize("job, mode, names", [
+    (sum_different_sizes, "shm", ("float32", "float32")),
+    (sum_different_sizes, "tcp", ("float32", "float32")),
+    (sum_against_an_sgd_step, "shm", ("f32 sgd", "float32"))])
+def test_workers_that_sum_different_layouts_fail_instead_of_summing(tmp_path, job, mode, names):
+    messages = [w.value for w in run_workers(job, 2, args=(str(tmp_path), mode),
                                              startup_timeout=None, quiet=True, timeout=60)]
-    assert all("ProtocolError: worker " in m and "runs a different collective" in m
+    assert all("ProtocolError: worker" in m and "runs a different collective" in m
                for m in messages), messages
     assert all(f"bytes of {name})" in m for m in messages for name in names), messages
 

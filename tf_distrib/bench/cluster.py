@@ -3,13 +3,14 @@
 2, 3 and 4 simulated hosts (`tf_distrib.testing.SimulatedHosts`) at 1 and 10 Gbit/s
 all-reduce the benchmark MLP's gradient (7.4 MB of float32, and its bfloat16 half); each
 row is the median over `PASSES` passes of the slowest worker's median over `REPEATS`.
-"link use" is the bytes a host sends per all-reduce over the time and the link rate.
-The cost model (`calibrate`, `predict`) is fitted on the 2-host rows and printed against
-the others, and projected to 512 workers (also for PowerSGD). Then `fit` on 2 hosts x 1
-worker (TensorFlow's collective, tf_distrib, with bf16, with PowerSGD, PyTorch DDP when
-installed) against one worker of the same framework, and how much of the all-reduce hid
-behind backward ("hidden").
-Needs root (`SimulatedHosts`); skipped, naming what is missing, without it.
+"link use" is the bytes a host sends per all-reduce over the time and the link rate. The
+cost model (`calibrate`, `predict`) is fitted on the 2-host rows and printed against the
+others, and projected to 512 workers (also for PowerSGD). Then the three small
+all-reduces of a PowerSGD step on 2 hosts, by the native exchange op against the
+transport's Python path. Then `fit` on 2 hosts x 1 worker (TensorFlow's collective,
+tf_distrib, with bf16, with PowerSGD, PyTorch DDP when installed) against one worker of
+the same framework, and how much of the all-reduce hid behind backward ("hidden"). Needs
+root (`SimulatedHosts`); skipped, naming what is missing, without it.
 """
 
 from __future__ import annotations
@@ -60,6 +61,88 @@ def _worker(store: str, rank: int, world: int, host: str, mode: str, dtype_name:
         print(json.dumps({"mode": t.mode, "seconds": seconds}), flush=True)
     finally:
         t.close()
+
+
+# A PowerSGD step's small all-reduces for the MLP at rank 4 (`_small_worker`), in floats:
+# the P factors with the vectors sent whole, the Q factors, Keras' logged loss.
+SMALL_ROUNDS = (4 * (784 + 1024 + 1024) + 1024 + 1024 + 10, 4 * (1024 + 1024 + 10), 1)
+SMALL_STEPS = 300
+
+
+def _small_worker(store: str, rank: int, host: str) -> None:
+    """One of 2 workers: `SMALL_ROUNDS` in a traced step, one after the other as PowerSGD
+    runs them; prints the wall and CPU seconds per step, and whether the op ran them."""
+    import numpy as np
+    import tensorflow as tf
+
+    from tf_distrib import transport
+    from tf_distrib.transport import graph_op
+
+    t = transport.connect(rank, ["worker:0", "worker:1"], host, transport.FileStore(store),
+                          secret=b"bench", mode="tcp", timeout=60)
+    values = [tf.Variable(np.ones(n, np.float32)) for n in SMALL_ROUNDS]
+
+    @tf.function
+    def step():  # the transport runs a step's all-reduces in turn, as PowerSGD's
+        return [graph_op.all_reduce(t, [value]) for value in values]
+
+    try:
+        for _ in range(30):
+            step()
+        cpu, wall = os.times(), time.perf_counter()
+        for _ in range(SMALL_STEPS):
+            step()
+        wall, after = time.perf_counter() - wall, os.times()
+        print(json.dumps({"wall": wall / SMALL_STEPS, "native": t.exchange is not None,
+                          "cpu": (after.user + after.system - cpu.user - cpu.system)
+                          / SMALL_STEPS}), flush=True)
+    finally:
+        t.close()
+
+
+def _small_rows() -> list[dict]:
+    """`_small_worker` on 2 hosts per link rate, by the native op and by the Python path
+    (`TF_DISTRIB_NATIVE_SUM=0`) in turns; medians over `PASSES` of the slower worker."""
+    from tf_distrib import contract
+    from tf_distrib.testing import simulated_hosts
+
+    print(f"PowerSGD's small all-reduces per step (MLP, rank 4: {SMALL_ROUNDS[0] * 4 / 1e3:.1f}"
+          f" KB, {SMALL_ROUNDS[1] * 4 / 1e3:.1f} KB, 4 B), 2 hosts x 1 worker; medians of "
+          f"{PASSES} passes of {SMALL_STEPS} steps")
+    print(f"  {'link':>7} {'path':<12}{'wall ms':>9}{'CPU ms':>8}")
+    rows = []
+    for rate in RATES:
+        passes: dict[str, list[dict]] = {"native op": [], "Python path": []}
+        with simulated_hosts.SimulatedHosts(2, rate) as hosts:
+            for _ in range(PASSES):
+                for path, native in (("native op", "1"), ("Python path", "0")):
+                    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
+                           contract.ENV_NATIVE_SUM: native}
+                    passes[path].append(_run_small(hosts, env))
+        for path, runs in passes.items():
+            wall = statistics.median(r["wall"] for r in runs)
+            cpu = statistics.median(r["cpu"] for r in runs)
+            rows.append({"rate": rate, "path": path, "wall": wall, "cpu": cpu,
+                         "native": all(r["native"] for r in runs)})
+            print(f"  {rate:>7} {path:<12}{wall * 1e3:9.2f}{cpu * 1e3:8.2f}", flush=True)
+        native, python = rows[-2], rows[-1]
+        print(f"  {rate:>7} the op takes {native['wall'] / python['wall']:.2f}x the Python "
+              f"path's wall time, {native['cpu'] / python['cpu']:.2f}x its CPU", flush=True)
+    return rows
+
+
+def _run_small(hosts, env: dict) -> dict:
+    """One pass of `_small_worker`: the slower worker's wall time, its CPU time."""
+    with tempfile.TemporaryDirectory(prefix="tf_distrib_bench_cluster_") as store:
+        processes = [hosts.run(rank, [sys.executable, "-m", __name__, "small", store,
+                                      str(rank), hosts.addresses[rank]], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                     for rank in range(2)]
+        outputs = [p.communicate(timeout=300) for p in processes]
+    if any(p.returncode for p in processes):
+        raise RuntimeError("a benchmark worker failed:\n" + "\n".join(e for _, e in outputs))
+    return max((json.loads(out.strip().splitlines()[-1]) for out, _ in outputs),
+               key=lambda r: r["wall"])
 
 
 # `fit` across the hosts: the scaling benchmark's job (tf_distrib.bench.scaling), one
@@ -424,6 +507,7 @@ def run(options) -> dict:
     rows = [_row(rate, n, per_host, dtype_name, runs)
             for (rate, n, per_host, _, dtype_name), runs in measured.items()]
     model = _model(rows, len(os.sched_getaffinity(0)))
+    small_rows = _small_rows()
     fit_rows = _fit_rows(rows)
     projection = project(model) if model is not None else []
     if projection:
@@ -435,7 +519,7 @@ def run(options) -> dict:
             print(f"  {p['model']:<9} {p['link']:<10} {p['scheme']:<12} {p['dtype']:<9} "
                   f"K={p['K']}: {cells}")
     return {"gradient_floats": GRADIENT_FLOATS, "repeats": REPEATS, "rows": rows,
-            "model": model, "projection": projection, "fit": fit_rows}
+            "model": model, "projection": projection, "small": small_rows, "fit": fit_rows}
 
 
 def _model(rows: list[dict], cores: int) -> dict | None:
@@ -564,6 +648,9 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["worker"]:
         store, rank, world, host, mode, dtype_name = sys.argv[2:]
         _worker(store, int(rank), int(world), host, mode, dtype_name)
+    elif sys.argv[1:2] == ["small"]:
+        store, rank, host = sys.argv[2:]
+        _small_worker(store, int(rank), host)
     elif sys.argv[1:2] == ["fit"]:
         _fit_worker(sys.argv[2])
     elif sys.argv[1:2] == ["ddp"]:

@@ -179,8 +179,9 @@ def _kill_in_snapshot(nth: int, torn: bool) -> None:
 
 def _kill_in_collective(nth: int) -> None:
     """SIGKILL a moment into the `nth` all-reduce of the gradient transport, counting the
-    Python path's calls and the native op's runs alike."""
+    Python path's calls and the native ops' runs alike."""
     from tf_distrib.transport.collective import Transport
+    from tf_distrib.transport.native_exchange import NativeExchange
     from tf_distrib.transport.native_sum import NativeSum
 
     calls = []
@@ -190,24 +191,27 @@ def _kill_in_collective(nth: int) -> None:
         if len(calls) == nth:
             threading.Timer(0.001, _signal_self, (signal.SIGKILL,)).start()
 
-    python_path, native_op = Transport.all_reduce, NativeSum.all_reduce
+    python_path = Transport.all_reduce
 
     def all_reduce_then_kill(self, *args, **kwargs):
         count()
         return python_path(self, *args, **kwargs)
 
-    def native_then_kill(self, ticket, tensors):
-        import numpy as np
-        import tensorflow as tf
+    def counted(native_op):
+        def native_then_kill(self, ticket, tensors):
+            import numpy as np
+            import tensorflow as tf
 
-        # The op runs in C++: a numpy_function just before it counts each of its runs.
-        counted = tf.numpy_function(lambda: np.int64(count() or 0), [], tf.int64,
-                                    stateful=True)
-        with tf.control_dependencies([counted]):
-            return native_op(self, tf.identity(ticket), tensors)
+            # The op runs in C++: a numpy_function just before it counts each of its runs.
+            counter = tf.numpy_function(lambda: np.int64(count() or 0), [], tf.int64,
+                                        stateful=True)
+            with tf.control_dependencies([counter]):
+                return native_op(self, tf.identity(ticket), tensors)
+        return native_then_kill
 
     Transport.all_reduce = all_reduce_then_kill
-    NativeSum.all_reduce = native_then_kill
+    NativeSum.all_reduce = counted(NativeSum.all_reduce)
+    NativeExchange.all_reduce = counted(NativeExchange.all_reduce)
 
 
 def _at_step(fault: Fault, backup_dir: str):

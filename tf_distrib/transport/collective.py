@@ -31,7 +31,7 @@ import time
 import numpy as np
 
 from tf_distrib.health import failure_report, phases
-from tf_distrib.transport import native_sum, ring
+from tf_distrib.transport import native_exchange, native_sum, ring
 from tf_distrib.transport.buffers import BufferPool, Layout
 from tf_distrib.transport.errors import PeerLostError, TransportError
 from tf_distrib.transport.mesh import Mesh, SubMesh, TransportUnavailable
@@ -158,6 +158,9 @@ class Transport:
         #: Its all-reduce op bound to the segment (`native_sum.NativeSum`; "shm" only),
         #: or None.
         self.native = None
+        #: Its op for small all-reduces over sockets of its own
+        #: (`native_exchange.NativeExchange`; "tcp" only), or None.
+        self.exchange = None
         self._jobs: queue.SimpleQueue | None = None
         self._thread: threading.Thread | None = None
         if self.overlaps:
@@ -176,9 +179,9 @@ class Transport:
 
     @property
     def stats(self) -> Stats:
-        """What this transport has done, the native op's collectives included."""
-        if self.native is not None:
-            self.native.fold_stats(self._stats)
+        """What this transport has done, the native ops' collectives included."""
+        for op in self._native_ops:
+            op.fold_stats(self._stats)
         waited = (self._shm.waited if self._shm is not None else 0.0) + sum(
             c.waited for c in self.mesh.connections.values())
         self._stats.waited += waited - self._python_waited
@@ -318,18 +321,21 @@ class Transport:
 
     def recent(self) -> list[dict]:
         """The last collectives (seq, bytes, started, ended: None while running or failed),
-        oldest first, the native op's among them."""
+        oldest first, the native ops' among them."""
         records = [dict(r) for r in self._recorder]
-        if self.native is not None:
-            records = sorted([*records, *self.native.recent()],
-                             key=lambda r: r["started"])[-RECORDED:]
+        for op in self._native_ops:
+            records = sorted([*records, *op.recent()], key=lambda r: r["started"])[-RECORDED:]
         return records
 
     def waiting_for(self) -> list[str]:
         """The peers this worker is waiting for right now, inside a collective."""
-        native = self.native.waiting_for() if self.native is not None else None
+        native = {op.waiting_for() for op in self._native_ops}
         return [str(c.peer) for r, c in self.mesh.connections.items()
-                if c.waiting or r == native]
+                if c.waiting or r in native]
+
+    @property
+    def _native_ops(self) -> list:
+        return [op for op in (self.native, self.exchange) if op is not None]
 
     def _stop(self, error: TransportError) -> None:
         """Remembers `error` and tells every peer, so that each fails fast, naming the cause."""
@@ -348,8 +354,8 @@ class Transport:
 
     def close(self) -> None:
         """Says goodbye to every peer and releases the connections and the segment."""
-        if self.native is not None:
-            self.native.close()
+        for op in self._native_ops:
+            op.close()
         if self._jobs is not None:
             self._jobs.put(None)
             self._thread.join(_CLOSE_SECONDS)
@@ -425,6 +431,10 @@ def connect(rank: int, tasks: list[str], host: str, store: Store, *,
         transport.op_library = library
         if transport.mode == "shm" and transport.in_place_bytes is not None:
             transport.native = native_sum.NativeSum(transport, segment, library)
+        elif transport.mode == "tcp" and len(tasks) > 1:
+            lanes = Mesh(rank, tasks, host, store, f"{prefix}/exchange", secret, timeout=timeout,
+                         peer_timeout=peer_timeout, link=native_exchange.plain_socket)
+            transport.exchange = native_exchange.NativeExchange(transport, lanes, library)
     return transport
 
 

@@ -1,12 +1,13 @@
 """The transport as a TensorFlow op, run in the same order on every worker.
 
-Each all-reduce is one stateful op (`tf.numpy_function`, or the native op of
-`native_sum`) bracketed by two updates of a token variable of the transport: TensorFlow
-orders every op that touches one resource in program order, so a step's collectives run
-one at a time in the order they were traced, the same on every worker. Across hosts,
-`all_reduce_buckets` splits each bucket into a start that hands it to the transport's
-thread and a finish that waits for its sum; every finish waits for every start, so the
-network carries the first buckets while backward computes the rest (`backward_order`).
+Each all-reduce is one stateful op (`tf.numpy_function`, or a native op: `native_sum` on
+one host, `native_exchange` for small ones across hosts) bracketed by two updates of a
+token variable of the transport: TensorFlow orders every op that touches one resource in
+program order, so a step's collectives run one at a time in the order they were traced,
+the same on every worker. Across hosts, `all_reduce_buckets` splits each bucket into a
+start that hands it to the transport's thread and a finish that waits for its sum; every
+finish waits for every start, so the network carries the first buckets while backward
+computes the rest (`backward_order`).
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ def all_reduce(transport: Transport, tensors: list[tf.Tensor]) -> list[tf.Tensor
     if not tensors:
         return []
     tensors = [tf.convert_to_tensor(t) for t in tensors]
-    native, dtypes = transport.native, {t.dtype.name for t in tensors}
-    if native is not None and len(dtypes) == 1 and dtypes <= set(native.DTYPES):
+    native = _native_op(transport, tensors)
+    if native is not None:
         return list(_ordered(transport, lambda ticket: native.all_reduce(ticket, tensors)))
     return _shaped(_ordered(transport, lambda ticket: tf.numpy_function(
         lambda number, *arrays: transport.all_reduce(list(arrays), seq=int(number)),
@@ -81,6 +82,17 @@ def all_reduce_buckets(transport: Transport, buckets: list[list[tf.Tensor]]) -> 
             lambda number: transport.finish(int(number)), [ticket], [t.dtype for t in bucket],
             stateful=True, name="tf_distrib_all_reduce_finish"), bucket)
             for ticket, bucket in zip(tickets, buckets, strict=True)]
+
+
+def _native_op(transport: Transport, tensors: list[tf.Tensor]):
+    """The transport's native op that sums `tensors`, or None (the Python path's turn)."""
+    if len({t.dtype for t in tensors}) != 1:
+        return None
+    if transport.native is not None and tensors[0].dtype.name in transport.native.DTYPES:
+        return transport.native
+    if transport.exchange is not None and transport.exchange.takes(tensors):
+        return transport.exchange
+    return None
 
 
 def _ordered(transport: Transport, collective):

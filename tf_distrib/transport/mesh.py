@@ -43,10 +43,13 @@ class Mesh:
         timeout: Seconds to wait for every peer to publish and connect.
         peer_timeout: Seconds of silence after which a peer counts as lost.
         extra: More of this worker's facts to publish (JSON-able), read back as `infos`.
+            Defaults to None.
+        link: Makes a link of an authenticated socket: `link(sock, peer, peer_timeout)`.
+            Defaults to `Connection`.
 
     Attributes:
         peers: Every worker as a `Peer`, by rank (this one included).
-        connections: rank -> `Connection`, for every other worker.
+        connections: rank -> its link (a `Connection`), for every other worker.
         infos: What each worker published, by rank.
 
     Raises:
@@ -56,8 +59,10 @@ class Mesh:
     """
 
     def __init__(self, rank: int, tasks: list[str], host: str, store: Store, prefix: str,
-                 secret: bytes, *, timeout: float, peer_timeout: float, extra: dict | None = None):
+                 secret: bytes, *, timeout: float, peer_timeout: float, extra: dict | None = None,
+                 link=Connection):
         self.rank = rank
+        self._link = link
         deadline = time.monotonic() + timeout
         listener, published = None, {"task": tasks[rank], **(extra or {})}
         try:
@@ -91,7 +96,7 @@ class Mesh:
         acceptor.start()
         try:
             for r in range(rank):
-                self.connections[r] = Connection(
+                self.connections[r] = link(
                     _dial(self.peers[r], secret, rank, deadline), self.peers[r], peer_timeout)
             acceptor.join(_left(deadline) + 1)
         finally:
@@ -117,7 +122,7 @@ class Mesh:
                 with lock:
                     if peer.rank in self.connections:
                         raise AuthenticationError(f"{peer} connected twice.")
-                    self.connections[peer.rank] = Connection(sock, peer, peer_timeout)
+                    self.connections[peer.rank] = self._link(sock, peer, peer_timeout)
             except (TransportError, OSError) as e:
                 _log.warning("tf_distrib transport: refused a connection: %s", e)
                 sock.close()

@@ -1,7 +1,8 @@
 """Builds the native ops once per machine and remembers a failed build.
 
-The ops (`native_sum.cc`: the shared-memory all-reduce; `cross_device/powersgd_ops.cc`:
-PowerSGD's arithmetic; both include `native_update.h`) are compiled into one library
+The ops (`native_sum.cc`: the shared-memory all-reduce; `native_exchange.cc`: small
+all-reduces over TCP; `cross_device/powersgd_ops.cc`: PowerSGD's arithmetic; with their
+headers `native_control.h` and `native_update.h`) are compiled into one library
 against the installed TensorFlow on first use, into `TF_DISTRIB_CACHE_DIR` (default
 `$XDG_CACHE_HOME/tf_distrib`, else ~/.cache/tf_distrib). Its cache key covers the sources
 and the header, TensorFlow's version and flags, the compiler (path, size, modification
@@ -26,8 +27,10 @@ from tf_distrib import contract
 
 _PACKAGE = os.path.dirname(os.path.dirname(__file__))
 SOURCES = (os.path.join(_PACKAGE, "transport", "native_sum.cc"),
+           os.path.join(_PACKAGE, "transport", "native_exchange.cc"),
            os.path.join(_PACKAGE, "cross_device", "powersgd_ops.cc"))
-HEADERS = (os.path.join(_PACKAGE, "transport", "native_update.h"),)
+HEADERS = (os.path.join(_PACKAGE, "transport", "native_control.h"),
+           os.path.join(_PACKAGE, "transport", "native_update.h"))
 # A first build takes ~10 s on two cores (~20 s on one); its peers wait for it
 # (`connect`'s timeout).
 BUILD_TIMEOUT_SECONDS = 60.0

@@ -39,15 +39,12 @@
 //
 // The waits poll like the Python ones (spin, yield, sleep) and return an error once the
 // control block's abort word is set: the transport's watcher thread sets it when a peer
-// is lost, naming it in the block's message. The error is UNKNOWN, as a numpy_function's
-// exception is (TensorFlow rewrites UNAVAILABLE from ops that are not its own
-// communication ops into a message that drops the cause).
+// is lost, naming it in the block's message (native_control.h).
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
 #include <sched.h>
 #include <time.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -63,6 +60,7 @@
 #include "tensorflow/core/framework/resource_var.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/framework/tensor.h"
+#include "native_control.h"
 #include "native_update.h"
 
 namespace tf_distrib {
@@ -73,29 +71,16 @@ using ::tensorflow::OpKernelConstruction;
 using ::tensorflow::OpKernelContext;
 using ::tensorflow::Tensor;
 
-// The control block (int64 words in the worker's own memory, see native_sum.py).
-constexpr int kAbort = 0, kWaitingFor = 1, kNanoseconds = 2, kCollectives = 3, kBytes = 4,
-              kWakeFd = 5, kRecorded = 6, kWaitedNanoseconds = 7;
-constexpr int kMessageOffset = 64, kMessageBytes = 960;
-// The flight recorder: a ring of the last collectives, each (number, bytes, started,
-// ended: 0 until it succeeds), wall-clock nanoseconds, after the abort message.
-constexpr int kRecorderWord = 128, kRecorderEntries = 64, kEntryWords = 4;
-// After the recorder: this process's tensors in each of the two update regions, the
-// updates that went through a region, and those of them that found their variables there.
+// The control block's words after the recorder (native_control.h has the others): this
+// process's tensors in each of the two update regions, the updates that went through a
+// region, and those of them that found their variables there.
 constexpr int kRegions = 2;
-constexpr int kHeld = kRecorderWord + kRecorderEntries * kEntryWords,
-              kRegionUpdates = kHeld + kRegions, kInPlaceUpdates = kRegionUpdates + 1;
+constexpr int kHeld = kControlWords, kRegionUpdates = kHeld + kRegions,
+              kInPlaceUpdates = kRegionUpdates + 1;
 // Elements summed, then copied out, at a time (16-32 KiB: the core's L1 cache).
 constexpr int64_t kBlock = 4096;
 // Polling, as shared_memory.py's `_poll`.
 constexpr int64_t kSpinNs = 20000, kYieldNs = 2000000, kSleepNs = 100000;
-
-int64_t Nanoseconds(clockid_t clock) {
-  timespec t;
-  clock_gettime(clock, &t);
-  return t.tv_sec * 1000000000LL + t.tv_nsec;
-}
-int64_t Now() { return Nanoseconds(CLOCK_MONOTONIC); }
 
 // The block a worker sums into overlaps none of the addends: both loops vectorize.
 template <typename T>
@@ -153,9 +138,6 @@ std::string Kind(int64_t word) {
   std::memcpy(name, &word, sizeof(word));
   return std::string(name, strnlen(name, sizeof(word)));
 }
-
-int64_t Load(const int64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
-void Store(int64_t* p, int64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 
 // What the op does with each sum: return it (TfDistribSharedSum: ticket, tensors), or
 // take Keras' SGD step (TfDistribSharedSgd: ticket, learning rate, gradients, weights'
@@ -245,8 +227,7 @@ class SharedSum : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
-    OP_REQUIRES_OK(ctx, Aborted());
-    const int64_t began = Now();
+    OP_REQUIRES_OK(ctx, Aborted(control_));
     const int n = (ctx->num_inputs() - kFirst) / kInputs;
     Arrays a;
     a.in.resize(n);
@@ -294,15 +275,7 @@ class SharedSum : public OpKernel {
       a.start[i] = total;
       total += (a.size[i] + kStep - 1) / kStep * kStep;
     }
-    // Only this op writes the recorder (a transport's collectives run one at a time);
-    // the entry is complete before the count that shows it.
-    const int64_t recorded = Load(control_ + kRecorded);
-    int64_t* entry = control_ + kRecorderWord + recorded % kRecorderEntries * kEntryWords;
-    entry[0] = ctx->input(0).scalar<int64_t>()();
-    entry[1] = total * int64_t{sizeof(T)};
-    entry[2] = Nanoseconds(CLOCK_REALTIME);
-    entry[3] = 0;
-    Store(control_ + kRecorded, recorded + 1);
+    Recorded recorded(control_, ctx->input(0).scalar<int64_t>()(), total * int64_t{sizeof(T)});
     // The update regions this worker can write (bit r: region r).
     const int64_t usable = kUpdate == kSum ? 0 : Usable(total, a, values, copy_on_read);
     std::vector<Tensor> updated(kUpdate == kSum ? 0 : kOutputs * n);
@@ -320,16 +293,7 @@ class SharedSum : public OpKernel {
     for (size_t j = 0; j < updated.size(); ++j) *variables[j]->tensor() = std::move(updated[j]);
     if (a.in_region) __atomic_add_fetch(control_ + kRegionUpdates, 1, __ATOMIC_RELAXED);
     if (a.in_place) __atomic_add_fetch(control_ + kInPlaceUpdates, 1, __ATOMIC_RELAXED);
-    Store(entry + 3, Nanoseconds(CLOCK_REALTIME));
-    __atomic_add_fetch(control_ + kNanoseconds, Now() - began, __ATOMIC_RELAXED);
-    if (__atomic_add_fetch(control_ + kCollectives, 1, __ATOMIC_RELAXED) == 1) {
-      // The first: wake the watcher, which tells the launcher this worker trains (a full
-      // pipe has woken it already, so the result does not matter).
-      const char byte = 1;
-      [[maybe_unused]] const ssize_t sent =
-          write(static_cast<int>(Load(control_ + kWakeFd)), &byte, 1);
-    }
-    __atomic_add_fetch(control_ + kBytes, total * int64_t{sizeof(T)}, __ATOMIC_RELAXED);
+    recorded.Done();
   }
 
  private:
@@ -541,13 +505,6 @@ class SharedSum : public OpKernel {
     return ::tensorflow::OkStatus();
   }
 
-  // The abort's error (its message names the cause), or OK while there is none.
-  ::tensorflow::Status Aborted() const {
-    if (!Load(control_ + kAbort)) return ::tensorflow::OkStatus();
-    const char* message = reinterpret_cast<const char*>(control_) + kMessageOffset;
-    return ::tensorflow::errors::Unknown(std::string(message, strnlen(message, kMessageBytes)));
-  }
-
   // Returns once worker `peer`'s counter `field` reaches `chunk`, or the abort's error.
   ::tensorflow::Status Wait(int peer, int64_t field, int64_t chunk) {
     const int64_t* counter = Line(peer) + field;
@@ -557,7 +514,7 @@ class SharedSum : public OpKernel {
     while (Load(counter) < chunk) {
       if (Load(control_ + kAbort)) {
         Store(control_ + kWaitingFor, 0);
-        return Aborted();
+        return Aborted(control_);
       }
       const int64_t waited = Now() - began;
       if (waited > kYieldNs) {

@@ -7,8 +7,8 @@ TensorFlow allocated, so optimizers update in place; two more ops fuse Keras' SG
 first use (`native_build`); where it cannot be built or loaded, the transport warns,
 naming the cause, and keeps its Python path (`TF_DISTRIB_NATIVE_SUM=0` skips it). Its
 waits cannot run Python: a watcher thread checks the peers' liveness and sets the op's
-abort word when one is lost. The op records its last 64 collectives for the flight
-recorder (`Transport.recent()`).
+abort word when one is lost (`native_control`). The op records its last 64 collectives
+for the flight recorder (`Transport.recent()`).
 
 Example: `sums = transport.native.all_reduce(ticket, [gradient_a, gradient_b])`.
 """
@@ -16,39 +16,22 @@ Example: `sums = transport.native.all_reduce(ticket, [gradient_a, gradient_b])`.
 from __future__ import annotations
 
 import functools
-import os
-import select
-import threading
 import warnings
 
 import numpy as np
 
 from tf_distrib import contract
-from tf_distrib.health import phases
-from tf_distrib.transport import native_build, shared_memory
-from tf_distrib.transport.errors import TransportError
+from tf_distrib.transport import native_build, native_control, shared_memory
 
-# The control block: int64 words, as native_sum.cc reads them, the abort message, the
-# flight recorder's ring (number, bytes, started, ended: wall-clock nanoseconds), then the
-# SGD steps' words: this process's tensors in each of the two update regions, the steps
-# that updated through a region, and those that found their variables there.
-_ABORT, _WAITING_FOR, _NANOSECONDS, _COLLECTIVES, _BYTES, _WAKE_FD, _RECORDED, _WAITED = range(8)
-# The words `fold_stats` adds to the transport's `Stats`.
-_STATS_WORDS = [_NANOSECONDS, _COLLECTIVES, _BYTES, _WAITED]
-_MESSAGE_OFFSET, _MESSAGE_BYTES = 64, 960
-_RECORDER_WORD, _RECORDER_ENTRIES, _ENTRY_WORDS = 128, 64, 4
-_HELD = _RECORDER_WORD + _RECORDER_ENTRIES * _ENTRY_WORDS
+# The control block's words after `native_control`'s: this process's tensors in each of
+# the two update regions, the SGD steps that updated through a region, and those that
+# found their variables there.
+_HELD = native_control.WORDS
 _REGION_UPDATES, _IN_PLACE_UPDATES = _HELD + 2, _HELD + 3
-_CONTROL_BYTES = 8 * (_IN_PLACE_UPDATES + 1)
 # What an SGD step's collective publishes where a sum publishes its dtype's name, so that
 # a peer running another kind of collective on as many bytes is told apart, not summed.
 _SGD_CODE = int.from_bytes(b"f32 sgd", "little")
 _MOMENTUM_CODE = int.from_bytes(b"f32 mom", "little")
-# Every bound segment, control block and wake pipe, kept until the process exits: a
-# traced step that still holds their addresses can run after its transport is gone, and
-# must then fail (the control block says the transport is closed), never touch unmapped
-# memory or write into a descriptor that names another file by then.
-_KEPT: list[tuple[np.ndarray, np.ndarray, tuple[int, int]]] = []
 
 
 def enabled() -> bool:
@@ -92,8 +75,9 @@ def _without_the_op(cause: str) -> None:
         stacklevel=3)
 
 
-class NativeSum:
-    """The op bound to one transport's segment, and the watcher that can abort its waits.
+class NativeSum(native_control.ControlBlock):
+    """The op bound to one transport's segment (its control block and watcher:
+    `native_control.ControlBlock`).
 
     It sums float32 (gradients, logged values) and int64 (TensorFlow's per-step count of
     the workers whose input still has data, with a plain dataset).
@@ -107,28 +91,17 @@ class NativeSum:
     DTYPES = ("float32", "int64")
 
     def __init__(self, transport, segment, op_library):
-        self.transport = transport
-        self._library = op_library
-        self._control = np.zeros(_CONTROL_BYTES // 8, np.int64)
-        # The op writes a byte here when its first collective completes, so that the
-        # watcher says TRAINING at once (the launcher names a stopped worker's phase).
-        self._wake = os.pipe()
-        os.set_blocking(self._wake[1], False)
-        self._control[_WAKE_FD] = self._wake[1]
         mapped = segment.array()
-        _KEPT.append((mapped, self._control, self._wake))
+        super().__init__(transport, _IN_PLACE_UPDATES + 1, kept=(mapped,))
+        self._library = op_library
         update_regions, region_bytes = segment.update_regions()
         self._attrs = dict(
-            segment=mapped.ctypes.data, control=self._control.ctypes.data,
+            segment=mapped.ctypes.data, control=self.address,
             rank=transport.rank, world=transport.world, chunk_bytes=segment.chunk_bytes,
             header_bytes=shared_memory.HEADER_BYTES, lines=shared_memory.COUNTERS_OFFSET,
             line_bytes=shared_memory.LINE_BYTES, written=shared_memory.WRITTEN,
             summed=shared_memory.SUMMED, offered=shared_memory.OFFERED,
             update_regions=update_regions, region_bytes=region_bytes)
-        self._folded = np.zeros(len(_STATS_WORDS), np.int64)  # those already in `stats`
-        self._watcher = threading.Thread(target=self._watch, daemon=True,
-                                         name=f"tf_distrib-native-watch-{transport.rank}")
-        self._watcher.start()
 
     def all_reduce(self, ticket, tensors):
         """The sums over workers of `tensors` (all of one of `DTYPES`), after the op that
@@ -167,68 +140,3 @@ class NativeSum:
         """The `region_updates` that found this worker's variables in their region already
         (and nothing else holding them), and updated them there."""
         return int(self._control[_IN_PLACE_UPDATES])
-
-    def waiting_for(self) -> int | None:
-        """The rank the op waits for right now, or None."""
-        peer = int(self._control[_WAITING_FOR]) - 1
-        return peer if peer >= 0 else None
-
-    def recent(self) -> list[dict]:
-        """The op's last collectives, as `Transport.recent()` lists them, oldest first."""
-        count = int(self._control[_RECORDED])
-        ring = self._control[_RECORDER_WORD:_HELD].reshape(_RECORDER_ENTRIES, _ENTRY_WORDS)
-        entries = [[int(word) for word in ring[i % _RECORDER_ENTRIES]]
-                   for i in range(max(0, count - _RECORDER_ENTRIES), count)]
-        return [{"seq": seq, "bytes": nbytes, "started": started / 1e9,
-                 "ended": ended / 1e9 if ended else None}
-                for seq, nbytes, started, ended in entries]
-
-    def fold_stats(self, stats) -> None:
-        """Adds the op's collectives since the last call to `stats` (a `Stats`)."""
-        now = self._control[_STATS_WORDS]
-        nanoseconds, collectives, nbytes, waited = (int(v) for v in now - self._folded)
-        self._folded = now
-        stats.seconds += nanoseconds / 1e9
-        stats.collectives += collectives
-        stats.bytes += nbytes
-        stats.waited += waited / 1e9
-
-    def close(self) -> None:
-        """Stops the watcher; the op fails from now on, saying the transport is closed."""
-        self._abort(TransportError("the transport is closed."))
-        os.write(self._wake[1], b"\0")
-
-    def _watch(self) -> None:
-        """Checks, while the op waits, that the peer it waits for is alive; ends once the op
-        is aborted (a lost peer, or `close`)."""
-        while True:
-            woken, _, _ = select.select([self._wake[0]], [], [], shared_memory.CHECK_SECONDS)
-            if self._control[_ABORT]:
-                return
-            if woken:
-                os.read(self._wake[0], 64)
-            if self._control[_COLLECTIVES]:
-                phases.enter(phases.TRAINING)  # every peer took part in a collective
-            transport, peer = self.transport, self.waiting_for()
-            try:
-                if transport.failure is not None:
-                    raise transport.failure
-                if peer is not None:
-                    transport.mesh.connections[peer].check_alive()
-            except TransportError as e:
-                if transport.failure is None:
-                    transport._stop(e)
-                self._abort(e)
-                return
-
-    def _abort(self, error: Exception) -> None:
-        if self._control[_ABORT]:
-            return
-        # As Python prints it: the console and the launcher recognise it in the traceback.
-        kind = type(error)
-        message = f"{kind.__module__}.{kind.__qualname__}: {error}".encode("utf-8", "replace")
-        message = message[:_MESSAGE_BYTES - 1] + b"\0"
-        self._control.view(np.uint8)[_MESSAGE_OFFSET:_MESSAGE_OFFSET + len(message)] = (
-            np.frombuffer(message, np.uint8))
-        self._control[_ABORT] = 1  # after the message: x86-64 keeps stores in order
-

@@ -432,8 +432,13 @@ def connect(rank: int, tasks: list[str], host: str, store: Store, *,
         if transport.mode == "shm" and transport.in_place_bytes is not None:
             transport.native = native_sum.NativeSum(transport, segment, library)
         elif transport.mode == "tcp" and len(tasks) > 1:
-            lanes = Mesh(rank, tasks, host, store, f"{prefix}/exchange", secret, timeout=timeout,
-                         peer_timeout=peer_timeout, link=native_exchange.plain_socket)
+            try:
+                lanes = Mesh(rank, tasks, host, store, f"{prefix}/exchange", secret,
+                             timeout=timeout, peer_timeout=peer_timeout,
+                             link=native_exchange.plain_socket)
+            except TransportError:
+                transport.close()
+                raise
             transport.exchange = native_exchange.NativeExchange(transport, lanes, library)
     return transport
 

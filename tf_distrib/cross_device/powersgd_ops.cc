@@ -54,6 +54,9 @@ using ::tensorflow::TensorShape;
 #define VECTOR_CLONES
 #endif
 
+// A scalar enters vector arithmetic as a plain float (`v * x`), which GCC broadcasts
+// once; a 16-value initialiser {x, x, ...} costs sixteen masked broadcasts in the AVX-512
+// clone, as many instructions as the products it feeds.
 typedef float v16 __attribute__((vector_size(64)));
 constexpr int64_t kLanes = 16;
 // Rows per block of TfDistribPowerSgdBack: its partial sums are added in block order.
@@ -65,11 +68,28 @@ inline v16 Load(const float* p) {
   return v;
 }
 inline void Store(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
-inline v16 Splat(float x) { return v16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 inline float Sum(v16 v) {
   float s = 0;
   for (int l = 0; l < kLanes; ++l) s += v[l];
   return s;
+}
+// p[k] = row M_i . row k of Q^T for K rows of Q^T from qt, each summed in j's order; K
+// known at compile time keeps the K sums in registers. Always inlined: a call would run
+// the default (SSE2) build, not the caller's AVX-512 or AVX2 clone.
+template <int K>
+__attribute__((always_inline)) inline void RowTimesQ(const float* mi, const float* qt,
+                                                     float* p, int64_t m) {
+  const int64_t body = m / kLanes * kLanes;
+  v16 acc[K] = {};
+  for (int64_t j = 0; j < body; j += kLanes) {
+    const v16 v = Load(mi + j);
+    for (int k = 0; k < K; ++k) acc[k] += v * Load(qt + k * m + j);
+  }
+  for (int k = 0; k < K; ++k) {
+    float s = Sum(acc[k]);
+    for (int64_t j = body; j < m; ++j) s += mi[j] * qt[k * m + j];
+    p[k] = s;
+  }
 }
 
 // Row i of A = P̂ Q'^T into a_row, each element summed in k's order: eight vectors at a
@@ -81,10 +101,10 @@ VECTOR_CLONES void ApproximateRow(const float* p, const float* qt, float* a_row,
   const int64_t body = m / (kChunk * kLanes) * (kChunk * kLanes);
   for (int64_t j = 0; j < body; j += kChunk * kLanes) {
     v16 a[kChunk];
-    const v16 p0 = Splat(pi[0]);
+    const float p0 = pi[0];
     for (int64_t c = 0; c < kChunk; ++c) a[c] = p0 * Load(qt + j + c * kLanes);
     for (int64_t k = 1; k < r; ++k) {
-      const v16 pk = Splat(pi[k]);
+      const float pk = pi[k];
       const float* qk = qt + k * m + j;
       for (int64_t c = 0; c < kChunk; ++c) a[c] += pk * Load(qk + c * kLanes);
     }
@@ -105,67 +125,87 @@ VECTOR_CLONES void ProjectRows(const float* g, const float* m_previous, float* m
                                float* a_row, int64_t m, int64_t r, int64_t begin,
                                int64_t end) {
   const int64_t body = m / kLanes * kLanes;
-  const v16 sv = Splat(scale);
   for (int64_t i = begin; i < end; ++i) {
     const float* gi = g + i * m;
     const float* ei = m_previous + i * m;
     float* mi = m_out + i * m;
     ApproximateRow(p_hat, qt, a_row, m, r, i);
     for (int64_t j = 0; j < body; j += kLanes) {
-      Store(mi + j, Load(gi + j) + (Load(ei + j) - Load(a_row + j) * sv));
+      Store(mi + j, Load(gi + j) + (Load(ei + j) - Load(a_row + j) * scale));
     }
     for (int64_t j = body; j < m; ++j) mi[j] = gi[j] + (ei[j] - a_row[j] * scale);
     for (int64_t k0 = 0; k0 < r; k0 += 4) {
-      const int64_t kk = r - k0 < 4 ? r - k0 : 4;
-      v16 acc[4] = {Splat(0), Splat(0), Splat(0), Splat(0)};
-      for (int64_t j = 0; j < body; j += kLanes) {
-        const v16 v = Load(mi + j);
-        for (int64_t k = 0; k < kk; ++k) acc[k] += v * Load(qt + (k0 + k) * m + j);
-      }
-      for (int64_t k = 0; k < kk; ++k) {
-        float s = Sum(acc[k]);
-        for (int64_t j = body; j < m; ++j) s += mi[j] * qt[(k0 + k) * m + j];
-        p[i * r + k0 + k] = s;
+      const float* q = qt + k0 * m;
+      float* pi = p + i * r + k0;
+      switch (r - k0) {
+        case 1: RowTimesQ<1>(mi, q, pi, m); break;
+        case 2: RowTimesQ<2>(mi, q, pi, m); break;
+        case 3: RowTimesQ<3>(mi, q, pi, m); break;
+        default: RowTimesQ<4>(mi, q, pi, m);
       }
     }
   }
 }
 
+// Adds four rows of M (mi) times their P̂ values (p: the first row's P̂ value k0, rows r
+// apart) into K rows of Q'^T from q: each row of M is loaded once for the K products,
+// each element of q once per four rows, summed in row order.
+template <int K>
+__attribute__((always_inline)) inline void FourRowsBack(const float* const mi[4],
+                                                        const float* p, int64_t r, float* q,
+                                                        int64_t m) {
+  const int64_t body = m / kLanes * kLanes;
+  float pv[4][K];
+  for (int t = 0; t < 4; ++t) {
+    for (int k = 0; k < K; ++k) pv[t][k] = p[t * r + k];
+  }
+  for (int64_t j = 0; j < body; j += kLanes) {
+    const v16 m0 = Load(mi[0] + j), m1 = Load(mi[1] + j), m2 = Load(mi[2] + j),
+              m3 = Load(mi[3] + j);
+    for (int k = 0; k < K; ++k) {
+      v16 a = Load(q + k * m + j);
+      a += m0 * pv[0][k];
+      a += m1 * pv[1][k];
+      a += m2 * pv[2][k];
+      a += m3 * pv[3][k];
+      Store(q + k * m + j, a);
+    }
+  }
+  for (int64_t j = body; j < m; ++j) {
+    for (int k = 0; k < K; ++k) {
+      for (int t = 0; t < 4; ++t) q[k * m + j] += mi[t][j] * pv[t][k];
+    }
+  }
+}
+
 // qt_out (r x m) = rows [begin, end) of M, transposed, times P̂: each element summed in
-// row order, four rows per load and store of qt_out.
+// row order.
 VECTOR_CLONES void BackRows(const float* mm, const float* p, float* qt_out, int64_t m,
                             int64_t r, int64_t begin, int64_t end) {
   const int64_t body = m / kLanes * kLanes;
   std::memset(qt_out, 0, sizeof(float) * r * m);
-  for (int64_t i = begin; i < end; i += 4) {
-    const int64_t rows = end - i < 4 ? end - i : 4;
-    const float* mi[4];
-    for (int64_t t = 0; t < 4; ++t) mi[t] = mm + (i + (t < rows ? t : 0)) * m;
+  int64_t i = begin;
+  for (; i + 4 <= end; i += 4) {
+    const float* const mi[4] = {mm + i * m, mm + (i + 1) * m, mm + (i + 2) * m,
+                                mm + (i + 3) * m};
+    for (int64_t k0 = 0; k0 < r; k0 += 4) {
+      const float* pk = p + i * r + k0;
+      float* q = qt_out + k0 * m;
+      switch (r - k0) {
+        case 1: FourRowsBack<1>(mi, pk, r, q, m); break;
+        case 2: FourRowsBack<2>(mi, pk, r, q, m); break;
+        case 3: FourRowsBack<3>(mi, pk, r, q, m); break;
+        default: FourRowsBack<4>(mi, pk, r, q, m);
+      }
+    }
+  }
+  for (; i < end; ++i) {  // the last rows of a block whose size is no multiple of four
+    const float* mi = mm + i * m;
     for (int64_t k = 0; k < r; ++k) {
-      float pk[4] = {0, 0, 0, 0};
-      for (int64_t t = 0; t < rows; ++t) pk[t] = p[(i + t) * r + k];
+      const float pv = p[i * r + k];
       float* qk = qt_out + k * m;
-      if (rows == 4) {
-        const v16 p0 = Splat(pk[0]), p1 = Splat(pk[1]), p2 = Splat(pk[2]), p3 = Splat(pk[3]);
-        for (int64_t j = 0; j < body; j += kLanes) {
-          v16 q = Load(qk + j);
-          q += Load(mi[0] + j) * p0;
-          q += Load(mi[1] + j) * p1;
-          q += Load(mi[2] + j) * p2;
-          q += Load(mi[3] + j) * p3;
-          Store(qk + j, q);
-        }
-      } else {
-        for (int64_t t = 0; t < rows; ++t) {
-          const v16 pv = Splat(pk[t]);
-          for (int64_t j = 0; j < body; j += kLanes) {
-            Store(qk + j, Load(qk + j) + Load(mi[t] + j) * pv);
-          }
-        }
-      }
-      for (int64_t j = body; j < m; ++j) {
-        for (int64_t t = 0; t < rows; ++t) qk[j] += mi[t][j] * pk[t];
-      }
+      for (int64_t j = 0; j < body; j += kLanes) Store(qk + j, Load(qk + j) + Load(mi + j) * pv);
+      for (int64_t j = body; j < m; ++j) qk[j] += mi[j] * pv;
     }
   }
 }
@@ -354,7 +394,9 @@ class BackOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->input_list("p_hats", &p_hats));
     OpOutputList qts;
     OP_REQUIRES_OK(ctx, ctx->output_list("qts", &qts));
-    for (int i = 0; i < matrices.size(); ++i) {
+    // Last matrix and last rows first: Project wrote them last, so they are the likeliest
+    // to be still in cache.
+    for (int i = matrices.size() - 1; i >= 0; --i) {
       const int64_t n = Rows(matrices[i]), m = Cols(matrices[i]), r = Cols(p_hats[i]);
       OP_REQUIRES(ctx, Rows(p_hats[i]) == n,
                   ::tensorflow::errors::InvalidArgument("matrix ", i, ": P has ",
@@ -367,7 +409,7 @@ class BackOp : public OpKernel {
       std::vector<float> partial(blocks * r * m);
       const float *mp = matrices[i].flat<float>().data(), *pp = p_hats[i].flat<float>().data();
       ForRows(ctx, blocks, kBlockRows * m * 2 * r, [&](int64_t begin, int64_t end) {
-        for (int64_t b = begin; b < end; ++b) {
+        for (int64_t b = end - 1; b >= begin; --b) {
           BackRows(mp, pp, partial.data() + b * r * m, m, r, b * kBlockRows,
                    std::min(n, (b + 1) * kBlockRows));
         }

@@ -426,9 +426,10 @@ PROJECTED_LINKS = {"10 Gbit/s": "10gbit", "25 Gbit/s": "25gbit", "100 Gbit/s": "
 # PowerSGD at rank 4 (`PowerSGD.compresses`): the floats of its two all-reduces (the P
 # factors with the gradients that travel whole, then the Q factors), counted on the MLP and
 # on keras.applications.ResNet50's weights (62x fewer than its 25.6M), and the seconds of
-# its arithmetic per gradient element beyond what an SGD step costs anyway: measured on
-# this host's cores for the MLP (1.7 ms for 1.86M, the native ops, docs/gradients.md), and
-# for ResNet-50 its six passes over float32 less an SGD step's three, at a GPU's 2 TB/s.
+# its arithmetic per gradient element beyond what an SGD step costs anyway: for the MLP
+# 1.7 ms for 1.86M, between what the native ops add alone and in `fit` on this host's cores
+# (docs/gradients.md), and for ResNet-50 its six passes over float32 less an SGD step's
+# three, at a GPU's 2 TB/s.
 POWERSGD_ROUNDS = {"MLP": ((784 + 1024 + 1024) * 4 + 2058, (1024 + 1024 + 10) * 4),
                    "ResNet-50": (300_404, 110_240)}
 POWERSGD_SECONDS_PER_ELEMENT = {"MLP": 0.9e-9, "ResNet-50": 3 * 4 / 2e12}

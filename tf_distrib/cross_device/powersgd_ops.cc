@@ -204,7 +204,9 @@ VECTOR_CLONES void BackRows(const float* mm, const float* p, float* qt_out, int6
     for (int64_t k = 0; k < r; ++k) {
       const float pv = p[i * r + k];
       float* qk = qt_out + k * m;
-      for (int64_t j = 0; j < body; j += kLanes) Store(qk + j, Load(qk + j) + Load(mi + j) * pv);
+      for (int64_t j = 0; j < body; j += kLanes) {
+        Store(qk + j, Load(qk + j) + Load(mi + j) * pv);
+      }
       for (int64_t j = body; j < m; ++j) qk[j] += mi[j] * pv;
     }
   }
@@ -394,9 +396,7 @@ class BackOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->input_list("p_hats", &p_hats));
     OpOutputList qts;
     OP_REQUIRES_OK(ctx, ctx->output_list("qts", &qts));
-    // Last matrix and last rows first: Project wrote them last, so they are the likeliest
-    // to be still in cache.
-    for (int i = matrices.size() - 1; i >= 0; --i) {
+    for (int i = 0; i < matrices.size(); ++i) {
       const int64_t n = Rows(matrices[i]), m = Cols(matrices[i]), r = Cols(p_hats[i]);
       OP_REQUIRES(ctx, Rows(p_hats[i]) == n,
                   ::tensorflow::errors::InvalidArgument("matrix ", i, ": P has ",
@@ -409,7 +409,7 @@ class BackOp : public OpKernel {
       std::vector<float> partial(blocks * r * m);
       const float *mp = matrices[i].flat<float>().data(), *pp = p_hats[i].flat<float>().data();
       ForRows(ctx, blocks, kBlockRows * m * 2 * r, [&](int64_t begin, int64_t end) {
-        for (int64_t b = end - 1; b >= begin; --b) {
+        for (int64_t b = begin; b < end; ++b) {
           BackRows(mp, pp, partial.data() + b * r * m, m, r, b * kBlockRows,
                    std::min(n, (b + 1) * kBlockRows));
         }

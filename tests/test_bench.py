@@ -56,6 +56,8 @@ def test_in_turns_each_pair_epoch_meets_the_one_worker_epochs_around_it():
              "in_collectives_per_step": [0, c / 10, c / 20]} for c in (0.042, 0.044)]
     turns = _compare_turns([*pair, alone], pairs=2, apart=False)
     assert turns["scaling"] == pytest.approx([360 / 200, 500 / 250])
+    assert turns["examples_per_sec"] == [360, 500]
+    assert turns["one_worker_examples_per_sec"] == pytest.approx([200, 250])
     assert turns["overhead_ms_per_step"] == pytest.approx([43 - 40, 45 - 45])
     assert turns["in_collectives_ms_per_step"] == pytest.approx([4.3, 2.15])
     for worker in pair:

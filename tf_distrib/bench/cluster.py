@@ -9,8 +9,9 @@ others, and projected to 512 workers (also for PowerSGD). Then the three small
 all-reduces of a PowerSGD step on 2 hosts, by the native exchange op against the
 transport's Python path. Then `fit` on 2 hosts x 1 worker (TensorFlow's collective,
 tf_distrib, with bf16, with PowerSGD, PyTorch DDP when installed) against one worker of
-the same framework, and how much of the all-reduce hid behind backward ("hidden"). Needs
-root (`SimulatedHosts`); skipped, naming what is missing, without it.
+the same framework (tf.distribute's settings an epoch at a time in turn with it), and how
+much of the all-reduce hid behind backward ("hidden"). Needs root (`SimulatedHosts`);
+skipped, naming what is missing, without it.
 """
 
 from __future__ import annotations
@@ -150,19 +151,21 @@ def _run_small(hosts, env: dict) -> dict:
 FIT_SETTINGS = {"TF collective": {"transport": "tf"}, "tf_distrib": {},
                 "tf_distrib + bf16": {"compression": "bf16"},
                 "tf_distrib + PowerSGD": {"compression": "powersgd"}}
+# Measured epochs of each setting in turn with one worker (`_fit_turns`).
+FIT_PAIRS = 5
 POWERSGD_RANK = 4  # DDP's powerSGD_hook's, as tf_distrib's default
 DDP_POWERSGD_TIMEOUT = 120.0
 _PORT = 29400
 
 
-def _fit_worker(settings_json: str) -> None:
-    """`fit` of the scaling job under `tf-distrib launch` (or alone); prints examples/s."""
+def _turns_worker(settings_json: str, directory: str) -> None:
+    """A worker of `_fit_turns`: one of the pair under `tf-distrib launch`, or the lone
+    one (`TF_DISTRIB_WORKER_INDEX=2`); prints its per-epoch measurements as JSON."""
     from tf_distrib.bench import scaling
 
-    os.environ.setdefault("TF_DISTRIB_WORKER_INDEX", "0")
-    os.environ.setdefault("TF_DISTRIB_NUM_WORKERS", "1")
-    rate = scaling.train_worker(json.loads(settings_json))["examples_per_sec"]
-    print(f"examples_per_sec={rate}", flush=True)
+    result = scaling.train_worker(json.loads(settings_json),
+                                  turns=scaling.Turns(directory, FIT_PAIRS, alone={}))
+    print("turns=" + json.dumps(result), flush=True)
 
 
 def _ddp_worker(rank: str, world: str, master: str, powersgd_rank: str) -> None:
@@ -197,23 +200,34 @@ def _ddp_rate(hosts, world: int, powersgd_rank: int = 0, timeout: float = 600.0)
     return float(outputs[0].rsplit("examples_per_sec=", 1)[1].split()[0])
 
 
-def _fit_rate(hosts, settings: dict | None) -> float:
-    """Global examples/s of the scaling job: on every host (one launcher each), or on
-    host 0 alone (`settings` None)."""
+def _fit_turns(hosts, settings: dict) -> dict:
+    """`fit` with `settings` on both hosts, an epoch at a time in turn with one worker
+    alone on host 0 under `make_strategy()` (`scaling.Turns`).
+
+    Returns:
+        `scaling.in_turns`' figures for each of `FIT_PAIRS` measured epochs of the pair.
+    """
+    from tf_distrib.bench import scaling
+
     spec = ",".join(f"{address}:{_PORT}" for address in hosts.addresses)
-    job = ["-m", __name__, "fit", json.dumps(settings or {})]
-    commands = ([[sys.executable, *job]] if settings is None else
-                [[sys.executable, "-m", "tf_distrib.launch", "-n", "1", "--hosts", spec,
-                  "--host-index", str(i), "--timeout", "600", *job]
-                 for i in range(len(hosts.addresses))])
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    processes = [hosts.run(i, command, env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True)
-                 for i, command in enumerate(commands)]
-    outputs = [p.communicate(timeout=900)[0] for p in processes]
+    with tempfile.TemporaryDirectory(prefix="tf_distrib_bench_turns_") as directory:
+        job = ["-m", __name__, "turns", json.dumps(settings), directory]
+        commands = [[sys.executable, "-m", "tf_distrib.launch", "-n", "1", "--hosts", spec,
+                     "--host-index", str(i), "--timeout", "900", *job]
+                    for i in range(len(hosts.addresses))]
+        processes = [hosts.run(i, command, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+                     for i, command in enumerate(commands)]
+        processes.append(hosts.run(0, [sys.executable, *job], stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True,
+                                   env={**env, "TF_DISTRIB_WORKER_INDEX": "2",
+                                        "TF_DISTRIB_NUM_WORKERS": "1"}))
+        outputs = [p.communicate(timeout=1200)[0] for p in processes]
     if any(p.returncode for p in processes):
         raise RuntimeError("a benchmark job failed:\n" + "\n".join(o[-3000:] for o in outputs))
-    return float(outputs[0].rsplit("examples_per_sec=", 1)[1].split()[0])
+    values = [json.loads(o.rsplit("turns=", 1)[1].splitlines()[0]) for o in outputs]
+    return scaling._compare_turns(values, FIT_PAIRS, apart=False)
 
 
 def _measure(hosts, per_host: int, mode: str, dtype_name: str) -> dict:
@@ -560,40 +574,39 @@ def _model(rows: list[dict], cores: int) -> dict | None:
 def _fit_rows(rows: list[dict]) -> list[dict]:
     """`fit` on 2 hosts x 1 worker per link rate and setting, scaling and overlap.
 
-    Like `bench scaling`, each pass runs every setting and the one-worker rows it is
-    compared to back to back; a setting's scaling is the median over passes of its rate
-    over its own pass's one-worker rate.
+    Each tf.distribute setting trains an epoch at a time in turn with one worker alone
+    (`_fit_turns`, as `bench scaling`'s rows in turns): its scaling is the median over
+    `FIT_PAIRS` epochs of the pair's rate over the lone worker's in the epochs around it,
+    seconds apart, so that the VM's changes of speed cancel out. PyTorch, which has no
+    turns, runs one process and DDP back to back `PASSES` times: the median of their
+    ratios.
     """
     from tf_distrib.bench import pytorch_ddp, scaling
     from tf_distrib.testing import simulated_hosts
 
     print(f"fit, MLP 784-1024-1024-10, {scaling.PER_WORKER_BATCH} examples per worker per "
-          "step, 2 hosts x 1 worker (one core each) against 1 worker on one core; medians "
-          f"of {PASSES} paired passes")
-    print(f"  {'link':>7} {'setting':<20}{'examples/s':>11}{'scaling':>9}{'hidden':>8}")
-    # setting -> (a run on the hosts of one or of both, its one-worker setting)
-    runs = {"one worker": (lambda hosts: _fit_rate(hosts, None), "one worker")}
-    runs.update({name: (lambda hosts, s=settings: _fit_rate(hosts, s), "one worker")
-                 for name, settings in FIT_SETTINGS.items()})
-    if pytorch_ddp.available():
-        runs["1 PyTorch process"] = (lambda hosts: _ddp_rate(hosts, 1), "1 PyTorch process")
-        runs["PyTorch DDP (gloo)"] = (lambda hosts: _ddp_rate(hosts, 2), "1 PyTorch process")
+          "step, 2 hosts x 1 worker (one core each) against 1 worker on one core; "
+          f"tf.distribute: medians of {FIT_PAIRS} epochs in turn with one worker "
+          f"(make_strategy()), PyTorch: of {PASSES} paired passes")
+    print(f"  {'link':>7} {'setting':<20}{'examples/s':>11}{'scaling':>9}{'hidden':>8}   "
+          "(one worker)")
     fit_rows = []
     for rate in RATES:
-        passes: dict[str, list[float]] = {name: [] for name in runs}
         with simulated_hosts.SimulatedHosts(2, rate) as hosts:
+            # setting -> its and one worker's examples/s, and its scaling, per pair
+            measured = {name: _fit_turns(hosts, settings)
+                        for name, settings in FIT_SETTINGS.items()}
             if pytorch_ddp.available():
                 _ddp_powersgd(hosts, rate)
-            for _ in range(PASSES):
-                for name, (measure, _) in runs.items():
-                    passes[name].append(measure(hosts))
-        for name, (_, baseline) in runs.items():
-            if name == baseline:
-                continue
-            examples = statistics.median(passes[name])
-            ratio = statistics.median(r / one for r, one in
-                                      zip(passes[name], passes[baseline], strict=True))
-            one = statistics.median(passes[baseline])
+                alone, pair = zip(*[(_ddp_rate(hosts, 1), _ddp_rate(hosts, 2))
+                                    for _ in range(PASSES)], strict=True)
+                measured["PyTorch DDP (gloo)"] = {
+                    "examples_per_sec": pair, "one_worker_examples_per_sec": alone,
+                    "scaling": [p / a for p, a in zip(pair, alone, strict=True)]}
+        for name, runs in measured.items():
+            examples = statistics.median(runs["examples_per_sec"])
+            ratio = statistics.median(runs["scaling"])
+            one = statistics.median(runs["one_worker_examples_per_sec"])
             # How much of the all-reduce hid behind computation: step time against one
             # worker's step plus the transport's all-reduce alone (its row).
             settings, hidden = FIT_SETTINGS.get(name), None  # settings None: PyTorch's
@@ -607,11 +620,11 @@ def _fit_rows(rows: list[dict]) -> list[dict]:
                 hidden = max(0.0, (compute + alone - step) / alone)
             fit_rows.append({"rate": rate, "setting": name, "examples_per_sec": examples,
                              "scaling": ratio, "one_worker": one, "hidden": hidden,
-                             "examples_per_sec_per_pass": passes[name],
-                             "one_worker_per_pass": passes[baseline]})
+                             "examples_per_sec_per_pair": list(runs["examples_per_sec"]),
+                             "one_worker_per_pair": list(runs["one_worker_examples_per_sec"])})
             print(f"  {rate:>7} {name:<20}{examples:>11.0f}{ratio:>8.2f}x"
                   + (f"{hidden:>8.0%}" if hidden is not None else f"{'':>8}")
-                  + (f"   ({baseline}: {one:.0f})" if baseline != "one worker" else ""),
+                  + f"   ({one:.0f}{'' if settings is not None else ', 1 PyTorch process'})",
                   flush=True)
     if not pytorch_ddp.available():
         print("  (PyTorch DDP rows: torch is not installed)")
@@ -652,8 +665,8 @@ if __name__ == "__main__":
     elif sys.argv[1:2] == ["small"]:
         store, rank, host = sys.argv[2:]
         _small_worker(store, int(rank), host)
-    elif sys.argv[1:2] == ["fit"]:
-        _fit_worker(sys.argv[2])
+    elif sys.argv[1:2] == ["turns"]:
+        _turns_worker(*sys.argv[2:4])
     elif sys.argv[1:2] == ["ddp"]:
         _ddp_worker(*sys.argv[2:6])
     else:

@@ -111,10 +111,12 @@ class Turns:
     """Three workers that train an epoch at a time in turn: worker 2 alone, then workers
     0 and 1 as a pair, `pairs` + 1 times (the first pair is the warm-up), and worker 2 once
     more, so that every measured pair epoch lies between two epochs of one worker alone.
-    Each marks an epoch's end with a file in `directory`."""
+    Each marks an epoch's end with a file in `directory`. `alone`: the lone worker's
+    `make_strategy` arguments, or None (the default): TensorFlow's default strategy."""
 
     directory: str
     pairs: int
+    alone: dict | None = None
 
 
 def train_worker(strategy_args: dict | None, accumulation: int | None = None,
@@ -153,7 +155,8 @@ def train_worker(strategy_args: dict | None, accumulation: int | None = None,
     if turns is not None:
         workers = 2
         if index == 2:
-            strategy_args = None
+            strategy_args, workers = turns.alone, 1
+            os.environ.pop("TF_CONFIG", None)
         else:  # the pair's cluster: workers 0 and 1
             config = json.loads(os.environ["TF_CONFIG"])
             config["cluster"]["worker"] = config["cluster"]["worker"][:2]
@@ -162,7 +165,7 @@ def train_worker(strategy_args: dict | None, accumulation: int | None = None,
     if monitoring_dir is None:  # the launcher's status files, which record every step
         os.environ.pop("TF_DISTRIB_STATUS_DIR", None)
     if strategy_args is None:  # alone, with TensorFlow's defaults
-        del os.environ["TF_CONFIG"]
+        os.environ.pop("TF_CONFIG", None)
         strategy, workers = tf.distribute.get_strategy(), 1
     else:
         strategy = td.make_strategy(**strategy_args)
@@ -297,8 +300,9 @@ def in_turns(setting: Setting, pairs: int = PAIRS) -> dict:
         pairs: Measured epochs of each. Defaults to `PAIRS`.
 
     Returns:
-        {"scaling": [per pair], "overhead_ms_per_step": [per pair],
-        "in_collectives_ms_per_step": [per pair], or None without the transport}.
+        {"scaling": [per pair], "examples_per_sec": [per pair],
+        "one_worker_examples_per_sec": [around each pair], "overhead_ms_per_step": [per
+        pair], "in_collectives_ms_per_step": [per pair], or None without the transport}.
     """
     import tempfile
 
@@ -339,6 +343,8 @@ def _compare_turns(values: list, pairs: int, apart: bool) -> dict:
     measured = range(1, pairs + 1)  # the pair's epoch 0 is the warm-up
     collectives = [_mean([w["in_collectives_per_step"][e] for w in pair]) for e in measured]
     return {"scaling": [rate(e) / around("examples_per_sec", e) for e in measured],
+            "examples_per_sec": [rate(e) for e in measured],
+            "one_worker_examples_per_sec": [around("examples_per_sec", e) for e in measured],
             "overhead_ms_per_step": [
                 (statistics.mean(w["cpu_per_step"][e] for w in pair)
                  - around("cpu_per_step", e)) * 1e3 for e in measured],

@@ -48,13 +48,13 @@ def test_a_row_is_also_read_against_another_one_worker_row_of_the_same_round():
 
 
 def test_in_turns_each_pair_epoch_meets_the_one_worker_epochs_around_it():
-    from tf_distrib.bench.scaling import _compare_turns
+    from tf_distrib.bench.scaling import compare_turns
 
     alone = {"examples_per_sec": [0, 100, 300, 200], "cpu_per_step": [0, 0.030, 0.050, 0.040],
              "in_collectives_per_step": [None] * 4}
     pair = [{"examples_per_sec": [0, 360, 500], "cpu_per_step": [0, c, c + 0.002],
              "in_collectives_per_step": [0, c / 10, c / 20]} for c in (0.042, 0.044)]
-    turns = _compare_turns([*pair, alone], pairs=2, apart=False)
+    turns = compare_turns([*pair, alone], pairs=2, apart=False)
     assert turns["scaling"] == pytest.approx([360 / 200, 500 / 250])
     assert turns["examples_per_sec"] == [360, 500]
     assert turns["one_worker_examples_per_sec"] == pytest.approx([200, 250])
@@ -62,7 +62,7 @@ def test_in_turns_each_pair_epoch_meets_the_one_worker_epochs_around_it():
     assert turns["in_collectives_ms_per_step"] == pytest.approx([4.3, 2.15])
     for worker in pair:
         worker["in_collectives_per_step"] = [None] * 3
-    ceiling = _compare_turns([*pair, alone], pairs=2, apart=True)  # both rates add
+    ceiling = compare_turns([*pair, alone], pairs=2, apart=True)  # both rates add
     assert ceiling["scaling"] == pytest.approx([720 / 200, 1000 / 250])
     assert ceiling["in_collectives_ms_per_step"] is None
 

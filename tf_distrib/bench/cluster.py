@@ -227,7 +227,7 @@ def _fit_turns(hosts, settings: dict) -> dict:
     if any(p.returncode for p in processes):
         raise RuntimeError("a benchmark job failed:\n" + "\n".join(o[-3000:] for o in outputs))
     values = [json.loads(o.rsplit("turns=", 1)[1].splitlines()[0]) for o in outputs]
-    return scaling._compare_turns(values, FIT_PAIRS, apart=False)
+    return scaling.compare_turns(values, FIT_PAIRS, apart=False)
 
 
 def _measure(hosts, per_host: int, mode: str, dtype_name: str) -> dict:

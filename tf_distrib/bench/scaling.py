@@ -309,7 +309,7 @@ def in_turns(setting: Setting, pairs: int = PAIRS) -> dict:
     with tempfile.TemporaryDirectory() as directory:
         values = _launch(3, setting.strategy, setting.accumulation, "mlp", setting.data,
                          Turns(directory, pairs))
-    return _compare_turns(values, pairs, apart=setting.strategy is None)
+    return compare_turns(values, pairs, apart=setting.strategy is None)
 
 
 def _launch(workers: int, *args) -> list:
@@ -328,7 +328,7 @@ def _job_rate(rates: list, apart: bool) -> float:
     return sum(rates) if apart else rates[0]
 
 
-def _compare_turns(values: list, pairs: int, apart: bool) -> dict:
+def compare_turns(values: list, pairs: int, apart: bool) -> dict:
     """`in_turns`' figures from its 3 workers' per-epoch measurements (`train_worker`'s):
     the pair's epoch e against the mean of worker 2's epochs e and e + 1; `apart`: the
     pair trained without communicating (`_job_rate`)."""
